@@ -1,0 +1,197 @@
+"""The ``healthcheck`` command: parse, validate, call one function, map the outcome to an exit code.
+
+No training, judging or rendering logic lives here; each subcommand hands a validated config or
+path to the module that owns the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from healthcheck import __version__
+from healthcheck.errors import ExitCode, HealthcheckError, InvalidInput
+
+EXIT_CODES_HELP = """exit codes:
+  0  pass: every envelope and audit check passed
+  1  silent inconsistency detected: an envelope was violated or an audit failed
+  2  invalid input: bad config or --set, bad/corrupt baseline, no baseline for this probe,
+     missing model dir or data file, unwritable output directory
+  3  the probe could not finish: a worker crashed or hung (timeout), or it was interrupted
+"""
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="probe config YAML (default: the embedded default probe)")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+        help="override one config field (repeatable; validated like the file), e.g. --set train.steps=20",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="healthcheck",
+        description="Catch silent worker-level inconsistency in data-parallel fine-tuning before you launch.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"healthcheck {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    probe = commands.add_parser("probe", help="run a distributed fine-tuning probe and judge it against its baseline",
+                                epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(probe)
+    probe.add_argument("--out", metavar="DIR", type=Path, help="run directory (default: runs/<name>-<UTC timestamp>/)")
+    probe.add_argument("--baseline", metavar="FILE", type=Path, help="baseline to judge against (default: config's, else baselines/<name>.json)")
+    probe.add_argument("--force", action="store_true", help="compare even if the baseline was recorded for another world size/device")
+    probe.add_argument("--no-judge", action="store_true", help="run and record only; skip the baseline verdict (exit 0 if the probe finished)")
+
+    config = commands.add_parser("config", help="show the resolved config or its JSON Schema")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_commands.add_parser("show", help="print the fully resolved config as YAML (re-usable with --config)")
+    _add_config_args(show)
+    config_commands.add_parser("schema", help="print the config's JSON Schema (for editor autocompletion)")
+
+    baseline = commands.add_parser("baseline", help="record, update or show a baseline")
+    baseline_commands = baseline.add_subparsers(dest="baseline_command", required=True, metavar="ACTION")
+    record = baseline_commands.add_parser("record", help="run K probes with seeds seed..seed+K-1 and fit the envelopes")
+    _add_config_args(record)
+    record.add_argument("--repeats", type=int, default=5, metavar="K", help="probes to fit from (default 5, at least 3)")
+    record.add_argument("--reason", default="initial baseline", help="why this baseline is approved")
+    record.add_argument("--approved-by", default=None, help="who approved it (default: $USER)")
+    record.add_argument("--output", type=Path, help="baseline file (default: the config's baseline path)")
+    record.add_argument("--runs-root", type=Path, default=Path("runs"), help="where the K run directories go")
+    update = baseline_commands.add_parser("update", help="build a baseline from finished, approved runs")
+    update.add_argument("--from", dest="run_dirs", nargs="+", type=Path, required=True, metavar="RUN_DIR")
+    update.add_argument("--reason", required=True, help="why the change is approved (kept in the baseline)")
+    update.add_argument("--approved-by", default=None)
+    update.add_argument("--output", type=Path, help="baseline file (default: the runs' config baseline path)")
+    show_baseline = baseline_commands.add_parser("show", help="print a baseline readably")
+    show_baseline.add_argument("path", type=Path)
+
+    compare = commands.add_parser("compare", help="judge a finished run against a baseline without re-running it",
+                                  epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_argument("run_dir", type=Path)
+    compare.add_argument("--baseline", type=Path, help="default: the run config's baseline path")
+    compare.add_argument("--force", action="store_true", help="compare despite a world-size/device mismatch")
+
+    report = commands.add_parser("report", help="re-render the report and its files from a finished run")
+    report.add_argument("run_dir", type=Path)
+
+    scenarios = commands.add_parser("scenarios", help="the fault-injection catalogue")
+    scenario_commands = scenarios.add_subparsers(dest="scenarios_command", required=True, metavar="ACTION")
+    scenario_commands.add_parser("list", help="list the named faults")
+    run = scenario_commands.add_parser("run", help="run named faults against the default probe and its baseline")
+    run.add_argument("names", nargs="+", metavar="NAME")
+    run.add_argument("--seeds", type=int, default=1, metavar="R", help="seeds per scenario (default 1)")
+    run.add_argument("--baseline", type=Path, help="default: baselines/default.json")
+    run.add_argument("--runs-root", type=Path, default=Path("runs"), help="where the run directories go")
+    return parser
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_probe(args) -> int:
+    from healthcheck.config import load_config
+    from healthcheck.gate import gate_run
+    from healthcheck.probe import run_probe
+
+    config = load_config(args.config, args.sets)
+    baseline_path = args.baseline or config.baseline_path()
+    result, run_dir = run_probe(config, args.out)
+    if result is None:  # a non-zero rank under torchrun: rank 0 reports
+        return int(ExitCode.PASS)
+    if args.no_judge:
+        from healthcheck.report import render_terminal, write_report_files
+
+        write_report_files(run_dir, result, None)
+        render_terminal(result, None, None)
+        return int(ExitCode.PASS)
+    return gate_run(result, run_dir, baseline_path, force=args.force, config_hint=args.config)
+
+
+def cmd_config(args) -> int:
+    from healthcheck.config import dump_yaml, json_schema, load_config
+
+    if args.config_command == "schema":
+        print(json.dumps(json_schema(), indent=2))
+    else:
+        print(dump_yaml(load_config(args.config, args.sets)), end="")
+    return int(ExitCode.PASS)
+
+
+def cmd_baseline(args) -> int:
+    from healthcheck import baseline as baselines
+
+    if args.baseline_command == "show":
+        print(baselines.render_baseline_text(baselines.load_baseline(args.path)))
+        return int(ExitCode.PASS)
+    if args.baseline_command == "update":
+        built = baselines.baseline_from_runs(args.run_dirs, reason=args.reason, approved_by=args.approved_by)
+        output = args.output or built.config_snapshot_baseline_path()
+    else:
+        from healthcheck.config import load_config
+        from healthcheck.recording import record_baseline
+
+        if args.repeats < 3:
+            raise InvalidInput(f"--repeats: at least 3 probes are needed to fit an envelope, got {args.repeats}")
+        config = load_config(args.config, args.sets)
+        built = record_baseline(config, args.repeats, runs_root=args.runs_root, reason=args.reason, approved_by=args.approved_by)
+        output = args.output or config.baseline_path()
+    baselines.save_baseline(built, output)
+    print(f"baseline written: {output}")
+    return int(ExitCode.PASS)
+
+
+def cmd_compare(args) -> int:
+    from healthcheck.artifacts import load_result
+    from healthcheck.gate import gate_run
+
+    result = load_result(args.run_dir)
+    return gate_run(result, args.run_dir, args.baseline or result.config.baseline_path(), force=args.force)
+
+
+def cmd_report(args) -> int:
+    from healthcheck.report import render_run
+
+    return render_run(args.run_dir, None)
+
+
+def cmd_scenarios(args) -> int:
+    from healthcheck import scenarios
+
+    if args.scenarios_command == "list":
+        scenarios.print_catalogue()
+        return int(ExitCode.PASS)
+    return scenarios.run_named(args.names, seeds=args.seeds, baseline=args.baseline, runs_root=args.runs_root)
+
+
+COMMANDS = {
+    "probe": cmd_probe,
+    "config": cmd_config,
+    "baseline": cmd_baseline,
+    "compare": cmd_compare,
+    "report": cmd_report,
+    "scenarios": cmd_scenarios,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except HealthcheckError as exc:
+        print(f"healthcheck: error: {exc.message}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        print("healthcheck: interrupted", file=sys.stderr)
+        return int(ExitCode.PROBE_FAILED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

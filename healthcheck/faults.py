@@ -1,0 +1,31 @@
+"""Deliberate faults for the fault-injection suite, applied to one rank through ``rank_overrides``.
+
+They act on the training step itself (the gradient a rank hands to the all-reduce, its timing, its
+loss), never on the metrics code, so the guard is tested on the same signals a real fault produces.
+The loss-side faults (``nan_at_step``, ``train.loss_scale``) live in the trainer's step.
+"""
+
+from __future__ import annotations
+
+from healthcheck.config import FaultConfig
+
+
+def install_faults(model, faults: FaultConfig) -> None:
+    """Register the gradient-side faults on ``model``'s parameters (a no-op when all are off)."""
+    if faults.grad_noise_std > 0:
+        std = faults.grad_noise_std
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(_noise_hook(std))
+
+
+def _noise_hook(relative_std: float):
+    # Parameter hooks run before DDP copies the gradient into its bucket, i.e. on the local
+    # gradient before the all-reduce: what silent data corruption on one device looks like.
+    def add_noise(grad):
+        import torch
+
+        rms = grad.float().pow(2).mean().sqrt()
+        return grad + (relative_std * rms * torch.randn_like(grad, dtype=torch.float32)).to(grad.dtype)
+
+    return add_noise

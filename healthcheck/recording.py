@@ -1,0 +1,42 @@
+"""``healthcheck baseline record``: K probes of one config with seeds seed, seed+1, … then a fit.
+
+The spread across those runs is what the envelope bounds are fitted from (see ``baseline.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from healthcheck.artifacts import RunResult, default_run_dir
+from healthcheck.config import ProbeConfig
+
+
+def seeded(config: ProbeConfig, seed: int) -> ProbeConfig:
+    """The same probe with another base seed (the seed policy and overrides still apply on top)."""
+    data = config.model_dump()
+    data["train"]["seed"] = seed
+    return ProbeConfig.model_validate(data)
+
+
+def run_repeats(config: ProbeConfig, repeats: int, runs_root: Path, first_seed: int | None = None) -> list[RunResult]:
+    """Run ``repeats`` probes, one per seed, each in its own run directory; print one line per run."""
+    from healthcheck.probe import run_probe
+
+    start = config.train.seed if first_seed is None else first_seed
+    results = []
+    for index in range(repeats):
+        seed = start + index
+        run_dir = default_run_dir(f"{config.name}-seed{seed}", runs_root)
+        result, _ = run_probe(seeded(config, seed), run_dir)
+        assert result is not None
+        print(f"  run {index + 1}/{repeats}: seed {seed} -> {run_dir} ({result.status})", flush=True)
+        results.append(result)
+    return results
+
+
+def record_baseline(config: ProbeConfig, repeats: int, *, runs_root: Path, reason: str, approved_by: str | None):
+    from healthcheck.baseline import fit_baseline
+
+    print(f"recording baseline for probe {config.name!r}: {repeats} probes", flush=True)
+    results = run_repeats(config, repeats, runs_root)
+    return fit_baseline(results, reason=reason, approved_by=approved_by, name=config.name)

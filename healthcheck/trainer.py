@@ -1,0 +1,310 @@
+"""One probe worker: real DDP fine-tuning with the consistency monitor attached.
+
+Every rank runs :func:`probe_worker`; rank 0 also writes the per-step rows. Started by
+``healthcheck probe`` (through the elastic launcher) or directly by torchrun::
+
+    torchrun --nproc_per_node 8 -m healthcheck probe --config probe.yaml
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from healthcheck import distributed as hdist
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, JsonlWriter, RankInfo
+from healthcheck.config import ProbeConfig, resolve_for_rank
+from healthcheck.data import IGNORE_INDEX, MicroBatches, prepare_samples, shard_plan
+from healthcheck.errors import InvalidInput
+from healthcheck.faults import install_faults
+from healthcheck.modeling import build_model, load_tokenizer
+from healthcheck.progress import StepProgress
+
+
+def seed_everything(seed: int) -> dict[str, int]:
+    """Seed python, numpy and torch on this rank, and read back what took effect.
+
+    Called after the process group exists and the rank is known, so per-rank seeds really differ
+    (the paper's scripts read the rank too early and their seed perturbations were inert).
+    """
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return {"python_seed": seed, "numpy_seed": seed % 2**32, "torch_seed": int(torch.initial_seed())}
+
+
+def lr_lambda(warmup_steps: int):
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.version.cuda:
+        out["cuda"] = str(torch.version.cuda)
+    out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
+    return out
+
+
+def _autocast(device, precision: str):
+    import torch
+
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device) -> None:
+    # The compute-time figure needs the device to have finished; this is one sync per step, not per bucket.
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def micro_step_loss(ddp_model, batch: dict[str, Any], device, precision: str):
+    """Summed token cross-entropy of one micro-batch (the caller normalises by the step's tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    attention = batch["attention_mask"].to(device, non_blocking=True)
+    with _autocast(device, precision):
+        logits = ddp_model(input_ids=input_ids, attention_mask=attention).logits
+    shifted = logits[:, :-1, :].float()
+    return F.cross_entropy(
+        shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def response_tokens(batch: dict[str, Any]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def probe_worker(config_json: str, run_dir: str, started_at: float) -> dict[str, Any] | None:
+    """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's environment and timing."""
+    config = ProbeConfig.model_validate_json(config_json)
+    progress_marker = {"step": None}
+    try:
+        return _probe_worker(config, Path(run_dir), started_at, progress_marker)
+    except BaseException as exc:
+        record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, progress_marker["step"], exc)
+        raise
+
+
+def record_worker_failure(run_dir: Path, rank: int, step: int | None, exc: BaseException) -> None:
+    """Leave ``errors/rank-<r>.json`` (one-line reason, step) and the traceback for the launcher to report."""
+    import json
+    import traceback
+
+    try:
+        folder = run_dir / "errors"
+        folder.mkdir(exist_ok=True)
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+        (folder / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "step": step, "reason": reason, "time": time.time()}))
+        (folder / f"rank-{rank}.traceback.txt").write_text("".join(traceback.format_exception(exc)))
+    except OSError:
+        pass  # the launcher still reports the exit code
+
+
+def _probe_worker(config: ProbeConfig, run_dir: Path, started_at: float, progress_marker: dict) -> dict[str, Any] | None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from healthcheck.monitor import WorkerConsistencyMonitor
+
+    local = hdist.get_dist_info()
+    device_type = hdist.resolve_device(config.distributed.device, local.local_world_size)
+    backend = hdist.resolve_backend(config.distributed.backend, device_type)
+    info = hdist.init_distributed(device_type, backend, config.distributed.timeout_s)
+    try:
+        hdist.set_worker_threads(info.local_world_size)
+        for rank in config.rank_overrides:
+            if rank >= info.world_size:
+                raise InvalidInput(f"rank_overrides: rank {rank} is outside the world (world size {info.world_size})")
+        mine = resolve_for_rank(config, info.rank)
+        seeds = seed_everything(mine.train.seed)
+        device = hdist.torch_device(device_type, info.local_rank)
+        if mine.train.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise InvalidInput("train.precision: bf16 is not supported on this GPU")
+
+        tokenizer = load_tokenizer(mine.model)
+        samples = prepare_samples(mine.data, tokenizer, cache_key=mine.model.name)
+        model = build_model(mine.model, len(tokenizer), mine.data.max_length).to(device)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[info.local_rank] if device.type == "cuda" else None,
+            bucket_cap_mb=config.distributed.bucket_cap_mb,
+            gradient_as_bucket_view=config.distributed.gradient_as_bucket_view,
+        )
+        # The sketch projection must be identical on every rank, so it is seeded from the global
+        # config, never from this rank's (possibly perturbed) seed.
+        monitor = WorkerConsistencyMonitor(
+            ddp, direction=config.metrics.direction, sketch_dim=config.metrics.sketch_dim,
+            every=config.metrics.every, seed=config.train.seed,
+        )
+        install_faults(model, mine.faults)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=mine.train.lr, weight_decay=mine.train.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(mine.train.lr_warmup_steps))
+        plan = shard_plan(mine.data, mine.train, info.rank, info.world_size)
+        batches = MicroBatches(samples, plan, mine.train, tokenizer.pad_token_id)
+
+        rank_info = RankInfo(
+            rank=info.rank, local_rank=info.local_rank, node=info.node, device=str(device),
+            device_name=hdist.device_name(device), seed=mine.train.seed, sampler_seed=plan.seed,
+            sampler_rank=plan.rank, sampler_replicas=plan.replicas, precision=mine.train.precision,
+            versions=versions(), env=hdist.rank_environment(), **seeds,
+        )
+        all_ranks = hdist.all_gather_objects(rank_info.model_dump())
+
+        loop = TrainLoop(config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir, progress_marker)
+        first_step_at = time.time()
+        loop.run()
+        monitor.close()
+        if info.rank != 0:
+            return None
+        return {
+            "ranks": all_ranks,
+            "device_type": device_type,
+            "backend": backend,
+            "world_size": info.world_size,
+            "startup_s": first_step_at - started_at,
+            "train_s": loop.train_s,
+            "steps_completed": loop.steps_completed,
+            "stopped_early": loop.stopped_early,
+        }
+    finally:
+        hdist.destroy_distributed()
+
+
+class TrainLoop:
+    """The optimizer-step loop; rank 0 streams each sampled step's rows to the run directory."""
+
+    def __init__(self, config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir: Path, marker: dict):
+        self.config, self.mine, self.info, self.device = config, mine, info, device
+        self.ddp, self.monitor, self.optimizer, self.scheduler, self.batches = ddp, monitor, optimizer, scheduler, batches
+        self.run_dir = run_dir
+        self.marker = marker  # the step in progress, for the crash report
+        self.steps_completed = 0
+        self.stopped_early: str | None = None
+        self.train_s = 0.0
+
+    def run(self) -> None:
+        writers = None
+        progress = None
+        if self.info.rank == 0:
+            writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
+            progress = StepProgress(self.config.name, self.config.train.steps)
+        start = time.perf_counter()
+        try:
+            for step in range(self.config.train.steps):
+                self.marker["step"] = step
+                metrics, compute_ms = self.step(step)
+                self.steps_completed = step + 1
+                if writers is not None and metrics is not None:
+                    write_rows(writers, step, metrics, self.scheduler.get_last_lr()[0])
+                if progress is not None:
+                    progress.advance(step + 1)
+                if metrics is not None and metrics.nonfinite_ranks:
+                    # Every rank sees the same gathered metrics, so all stop at the same step.
+                    self.stopped_early = f"non-finite loss or gradient on rank(s) {metrics.nonfinite_ranks} at step {step}"
+                    break
+        finally:
+            self.train_s = time.perf_counter() - start
+            if progress is not None:
+                progress.close()
+            if writers is not None:
+                for writer in writers:
+                    writer.close()
+
+    def step(self, step: int):
+        import torch
+
+        train, faults = self.mine.train, self.mine.faults
+        t0 = time.perf_counter()
+        micro = [self.batches.next() for _ in range(train.grad_accum_steps)]
+        tokens = sum(response_tokens(batch) for batch in micro)
+        # Normalise by the step's response tokens on this rank (known before any forward), so an
+        # all-truncated micro-batch contributes zero instead of 0/0.
+        denominator = max(tokens, 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for index, batch in enumerate(micro):
+            is_last = index == len(micro) - 1
+            context = contextlib.nullcontext() if is_last else self.ddp.no_sync()
+            with context:
+                summed = micro_step_loss(self.ddp, batch, self.device, train.precision)
+                if faults.nan_at_step == step:
+                    summed = summed * float("nan")
+                (summed * (train.loss_scale / denominator)).backward()
+            loss_sum += summed.detach()
+        if faults.step_sleep_ms:
+            time.sleep(faults.step_sleep_ms / 1000)
+        _sync(self.device)
+        compute_ms = (time.perf_counter() - t0) * 1000
+        local_loss = loss_sum * (train.loss_scale / denominator)
+        metrics = self.monitor.end_step(local_loss, tokens=tokens, extras={"compute_ms": compute_ms})
+        if train.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics, compute_ms
+
+
+def _finite_or_none(value):
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def write_rows(writers, step: int, metrics, lr: float) -> None:
+    """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
+    steps_writer, aggregates_writer = writers
+    data = metrics.to_dict()
+    compute = data.get("per_rank_extras", {}).get("compute_ms") or [None] * len(data["per_rank_loss"])
+    for rank, loss in enumerate(data["per_rank_loss"]):
+        steps_writer.write({
+            "step": step,
+            "rank": rank,
+            "loss": loss,
+            "tokens": data["per_rank_tokens"][rank],
+            "grad_norm": data["per_rank_grad_norm"][rank],
+            "cosine_to_mean": data["cosine_to_mean"][rank],
+            "compute_ms": compute[rank],
+        })
+    losses = [v for v in data["per_rank_loss"] if v is not None]
+    norms = [v for v in data["per_rank_grad_norm"] if v is not None]
+    cos_to_mean = [v for v in data["cosine_to_mean"] if v is not None]
+    aggregates_writer.write({
+        "step": step,
+        "loss_mean": sum(losses) / len(losses) if losses else None,
+        "loss_std": data["loss_std"],
+        "loss_range": data["loss_range"],
+        "grad_norm_mean": sum(norms) / len(norms) if norms else None,
+        "grad_norm_std": data["grad_norm_std"],
+        "grad_norm_cv": data["grad_norm_cv"],
+        "cosine_mean": data["cosine_mean"],
+        "cosine_min": data["cosine_min"],
+        "cosine_to_mean_min": min(cos_to_mean) if cos_to_mean else None,
+        "mean_grad_norm": data["mean_grad_norm"],
+        "gradient_diversity": data["gradient_diversity"],
+        "grad_sqnorm_est": data["grad_sqnorm_est"],
+        "trace_sigma_est": data["trace_sigma_est"],
+        "noise_scale": data["noise_scale"],
+        "tokens_total": sum(t for t in data["per_rank_tokens"] if t is not None),
+        "lr": _finite_or_none(lr),
+        "nonfinite_ranks": data["nonfinite_ranks"],
+        "pairwise_cosine": data["pairwise_cosine"],
+    })
