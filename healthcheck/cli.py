@@ -106,11 +106,9 @@ def cmd_probe(args) -> int:
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return int(ExitCode.PASS)
     if args.no_judge:
-        from healthcheck.report import render_terminal, write_report_files
+        from healthcheck.report import publish_report
 
-        write_report_files(run_dir, result, None)
-        render_terminal(result, None, None)
-        return int(ExitCode.PASS)
+        return publish_report(run_dir, result, None)
     return gate_run(result, run_dir, baseline_path, force=args.force, config_hint=args.config)
 
 
@@ -152,7 +150,8 @@ def cmd_compare(args) -> int:
     from healthcheck.gate import gate_run
 
     result = load_result(args.run_dir)
-    return gate_run(result, args.run_dir, args.baseline or result.config.baseline_path(), force=args.force)
+    baseline_path = args.baseline or result.config.baseline_path()
+    return gate_run(result, args.run_dir, baseline_path, force=args.force, config_hint=str(args.run_dir / "config.yaml"))
 
 
 def cmd_report(args) -> int:
@@ -191,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("healthcheck: interrupted", file=sys.stderr)
         return int(ExitCode.PROBE_FAILED)
+    except BrokenPipeError:
+        # `healthcheck baseline show X | head`: the reader left; that is not an error of ours.
+        sys.stderr.close()
+        return int(ExitCode.PASS)
 
 
 if __name__ == "__main__":

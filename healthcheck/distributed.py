@@ -171,14 +171,20 @@ def rank(group=None) -> int:
 
 
 def all_gather_rows(tensor, group=None):
-    """Gather a 1-D tensor from every rank into an ``[N, len]`` tensor, in rank order."""
+    """Gather a tensor from every rank into an ``[N, numel]`` tensor, in rank order.
+
+    The output buffer is flat because ProcessGroupGloo rejects a 2-D one ("invalid tensor size
+    at index 0"); ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor``.
+    """
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    out = torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
-    return out
+    flat = tensor.reshape(-1).contiguous()
+    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=group)
+    return out.view(n, flat.numel())
 
 
 def all_reduce_async(tensor, group=None):
@@ -269,7 +275,10 @@ def describe_child_failure(exc) -> str:
     """One line naming each failed rank and why, from a ``ChildFailedError``."""
     parts = []
     for rank_id, failure in sorted(exc.failures.items()):
-        message = failure.message if isinstance(failure.message, str) else ""
+        message = failure.message
+        if isinstance(message, dict):  # newer torch wraps the error file's message in a dict
+            message = message.get("message", "")
+        message = message if isinstance(message, str) else ""
         if not message or message.startswith("To enable traceback"):
             message = f"exit code {failure.exitcode}"
             if failure.exitcode is not None and failure.exitcode < 0:
@@ -319,18 +328,3 @@ def prepare_fork() -> None:
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def all_gather_rows_flat(tensor, group=None):
-    """Same result as :func:`all_gather_rows` (``[N, len]``, rank order), gathered through a 1-D buffer.
-
-    ProcessGroupGloo rejects the 2-D output buffer that ``all_gather_rows`` passes ("invalid tensor
-    size at index 0 (expected (len), got (1, len))"); a flat ``N * len`` output works on every backend.
-    """
-    import torch
-    import torch.distributed as dist
-
-    n = dist.get_world_size(group)
-    flat = tensor.reshape(-1).contiguous()
-    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(out, flat, group=group)
-    return out.view(n, flat.numel())

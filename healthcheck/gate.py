@@ -27,22 +27,17 @@ def gate_run(
     files for the run itself have been written.
     """
     from healthcheck.baseline import load_baseline
-    from healthcheck.report import emit_annotations, render_terminal, write_report_files
+    from healthcheck.report import publish_report
     from healthcheck.verdict import judge, write_verdict
 
     if result.status != "complete":
-        write_report_files(run_dir, result, None)
-        render_terminal(result, None, console)
+        publish_report(run_dir, result, None, console)
         raise ProbeFailed(f"probe {result.status}: {result.failure or 'no reason recorded'}; artifacts in {run_dir}")
     try:
         baseline = load_baseline(baseline_path, config_hint=config_hint)
         verdict = judge(result, baseline, baseline_path=str(baseline_path), force=force)
     except BaselineError:
-        write_report_files(run_dir, result, None)
-        render_terminal(result, None, console)
+        publish_report(run_dir, result, None, console)
         raise
     write_verdict(run_dir, verdict)
-    write_report_files(run_dir, result, verdict)
-    render_terminal(result, verdict, console)
-    emit_annotations(verdict)
-    return verdict.exit_code
+    return publish_report(run_dir, result, verdict, console)

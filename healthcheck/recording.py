@@ -18,12 +18,14 @@ def seeded(config: ProbeConfig, seed: int) -> ProbeConfig:
     return ProbeConfig.model_validate(data)
 
 
-def run_repeats(config: ProbeConfig, repeats: int, runs_root: Path, first_seed: int | None = None) -> list[RunResult]:
+def run_repeats(
+    config: ProbeConfig, repeats: int, runs_root: Path, first_seed: int | None = None
+) -> tuple[list[RunResult], list[Path]]:
     """Run ``repeats`` probes, one per seed, each in its own run directory; print one line per run."""
     from healthcheck.probe import run_probe
 
     start = config.train.seed if first_seed is None else first_seed
-    results = []
+    results, run_dirs = [], []
     for index in range(repeats):
         seed = start + index
         run_dir = default_run_dir(f"{config.name}-seed{seed}", runs_root)
@@ -31,12 +33,15 @@ def run_repeats(config: ProbeConfig, repeats: int, runs_root: Path, first_seed: 
         assert result is not None
         print(f"  run {index + 1}/{repeats}: seed {seed} -> {run_dir} ({result.status})", flush=True)
         results.append(result)
-    return results
+        run_dirs.append(run_dir)
+    return results, run_dirs
 
 
 def record_baseline(config: ProbeConfig, repeats: int, *, runs_root: Path, reason: str, approved_by: str | None):
     from healthcheck.baseline import fit_baseline
 
     print(f"recording baseline for probe {config.name!r}: {repeats} probes", flush=True)
-    results = run_repeats(config, repeats, runs_root)
-    return fit_baseline(results, reason=reason, approved_by=approved_by, name=config.name)
+    results, run_dirs = run_repeats(config, repeats, runs_root)
+    return fit_baseline(
+        results, reason=reason, approved_by=approved_by, name=config.name, run_ids=[d.name for d in run_dirs]
+    )

@@ -28,6 +28,12 @@ METRICS: dict[str, str] = {
     "noise_scale": "simple gradient noise scale B_simple (McCandlish et al.), per step",
 }
 
+#: Window-level metrics that are not per-step statistics.
+POOLED_METRICS = {
+    "noise_scale_pooled": "B_simple as mean(tr Σ estimate) / mean(|G|² estimate) over the window, "
+    "the stable form McCandlish et al. recommend (per-step ratios are noisy and can go negative)",
+}
+
 #: Per-rank columns of steps.jsonl that the attribution table averages and z-scores.
 RANK_FIELDS = ("loss", "grad_norm", "cosine_to_mean", "compute_ms")
 
@@ -65,7 +71,18 @@ def summarize_metrics(aggregates: list[dict[str, Any]], window_start: int) -> tu
     window = [row for row in aggregates if row["step"] >= window_start]
     summary = {name: MetricSummary(**window_summary(row.get(name) for row in window), n=len(_finite(row.get(name) for row in window)))
                for name in METRICS}
+    summary["noise_scale_pooled"] = pooled_noise_scale(window)
     return summary, len(window)
+
+
+def pooled_noise_scale(window: list[dict[str, Any]]) -> MetricSummary:
+    """Ratio of the window means of the two unbiased estimators; one number, so every statistic is it."""
+    trace = _mean(row.get("trace_sigma_est") for row in window)
+    grad_sq = _mean(row.get("grad_sqnorm_est") for row in window)
+    if trace is None or grad_sq is None or grad_sq == 0:
+        return MetricSummary()
+    value = trace / grad_sq
+    return MetricSummary(median=value, p95=value, min=value, max=value, n=len(window))
 
 
 def summarize_ranks(rows: list[dict[str, Any]], window_start: int) -> list[RankSummary]:

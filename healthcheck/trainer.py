@@ -273,13 +273,15 @@ def write_rows(writers, step: int, metrics, lr: float) -> None:
     """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
     steps_writer, aggregates_writer = writers
     data = metrics.to_dict()
-    compute = data.get("per_rank_extras", {}).get("compute_ms") or [None] * len(data["per_rank_loss"])
+    world = len(data["per_rank_loss"])
+    compute = data.get("per_rank_extras", {}).get("compute_ms") or [None] * world
+    tokens = data.get("per_rank_tokens") or [None] * world
     for rank, loss in enumerate(data["per_rank_loss"]):
         steps_writer.write({
             "step": step,
             "rank": rank,
             "loss": loss,
-            "tokens": data["per_rank_tokens"][rank],
+            "tokens": tokens[rank],
             "grad_norm": data["per_rank_grad_norm"][rank],
             "cosine_to_mean": data["cosine_to_mean"][rank],
             "compute_ms": compute[rank],
@@ -303,7 +305,7 @@ def write_rows(writers, step: int, metrics, lr: float) -> None:
         "grad_sqnorm_est": data["grad_sqnorm_est"],
         "trace_sigma_est": data["trace_sigma_est"],
         "noise_scale": data["noise_scale"],
-        "tokens_total": sum(t for t in data["per_rank_tokens"] if t is not None),
+        "tokens_total": sum(t for t in tokens if t is not None),
         "lr": _finite_or_none(lr),
         "nonfinite_ranks": data["nonfinite_ranks"],
         "pairwise_cosine": data["pairwise_cosine"],

@@ -1,0 +1,256 @@
+"""WorkerConsistencyMonitor on real gloo process groups, checked against a brute-force reference.
+
+Each rank computes its local gradient a second time on a plain (non-DDP) copy of the module with
+``torch.autograd.grad``, summed over micro-steps; the reference all-gathers those full gradients
+and computes every metric in float64. Workers are module-level functions that raise
+AssertionError, launched like torchrun through ``healthcheck.distributed.launch_local``.
+
+    python -m pytest tests/multiprocess/test_monitor.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from healthcheck import distributed
+from healthcheck.monitor import WorkerConsistencyMonitor
+
+SKETCH_DIM = 4096
+# Four standard deviations of the sketch cosine error bound sqrt(2/k) stated in monitor.py.
+SKETCH_COS_TOL = 4 * math.sqrt(2 / SKETCH_DIM)
+# Several buckets after DDP's rebuild (the first iteration always uses one bucket).
+BUCKET_CAP_MB = 0.001
+
+
+def _make_ddp(dtype: torch.dtype, gradient_as_bucket_view: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A ~1.5k-parameter MLP wrapped in DDP, and a plain copy of it for the reference gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    ).to(dtype)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=gradient_as_bucket_view)
+    return ddp, copy.deepcopy(model)
+
+
+def _batch(step: int, rank: int, micro: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    # Rank-dependent scale so the ranks' gradient norms and directions genuinely differ.
+    x = torch.randn(6, 8, generator=generator) * (1 + 0.3 * rank)
+    y = torch.randn(6, 4, generator=generator) + 0.5
+    return x.to(dtype), y.to(dtype)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def _train_step(ddp, reference_model, step: int, accum: int, dtype, poison: bool = False):
+    """One optimizer step's backward on the DDP model; returns (mean loss, local gradient in float64)."""
+    rank = distributed.rank()
+    local = [torch.zeros_like(p) for p in reference_model.parameters()]
+    losses = []
+    for micro in range(accum):
+        x, y = _batch(step, rank, micro, dtype)
+        if poison:
+            x[0, 0] = float("nan")
+        context = ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext()
+        with context:
+            loss = _loss(ddp, x, y)
+            loss.backward()
+        losses.append(float(loss.detach()))
+        grads = torch.autograd.grad(_loss(reference_model, x, y), list(reference_model.parameters()))
+        # Summed in the model's dtype, as autograd accumulates .grad across no_sync micro-steps.
+        local = [acc + g for acc, g in zip(local, grads)]
+    return sum(losses) / accum, torch.cat([g.reshape(-1) for g in local]).to(torch.float64)
+
+
+def _finish_step(ddp, reference_model) -> None:
+    """A plain SGD step on the DDP model, mirrored onto the reference copy."""
+    with torch.no_grad():
+        for param in ddp.module.parameters():
+            param -= 0.1 * param.grad
+    ddp.zero_grad(set_to_none=True)
+    reference_model.load_state_dict(ddp.module.state_dict())
+
+
+def _applied_mean_gradient(ddp) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).to(torch.float64)
+
+
+def _close(actual: float, expected: float, rel: float, what: str, abs_tol: float = 1e-12) -> None:
+    assert math.isclose(actual, expected, rel_tol=rel, abs_tol=abs_tol), f"{what}: {actual!r} != {expected!r}"
+
+
+def _close_list(actual, expected, rel: float, what: str, abs_tol: float = 1e-12) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} values, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        _close(a, e, rel, f"{what}[{i}]", abs_tol)
+
+
+def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mean_rel: float) -> None:
+    """Every metric of ``m`` against float64 brute force on the gathered local gradients ``grads`` (N×P)."""
+    n = grads.shape[0]
+    norms = grads.norm(dim=1)
+    mean = grads.mean(dim=0)
+    cos = (grads @ grads.T) / (norms[:, None] * norms[None, :])
+    off = cos[~torch.eye(n, dtype=torch.bool)]
+    to_mean = (grads @ mean) / (norms * mean.norm())
+    sqnorms = norms**2
+    small, big = float(sqnorms.mean()), float(mean.norm() ** 2)
+    b_small, b_big = sum(tokens) / n, float(sum(tokens))
+    grad_sq = (b_big * big - b_small * small) / (b_big - b_small)
+    trace = (small - big) / (1 / b_small - 1 / b_big)
+
+    _close_list(m.per_rank_loss, losses, 1e-12, "per_rank_loss")
+    assert m.per_rank_tokens == tokens, m.per_rank_tokens
+    _close_list(m.per_rank_grad_norm, norms.tolist(), 1e-5, "per_rank_grad_norm")
+    _close(m.grad_norm_std, float(norms.std(correction=0)), 1e-5, "grad_norm_std")
+    _close(m.grad_norm_cv, float(norms.std(correction=0) / norms.mean()), 1e-5, "grad_norm_cv")
+    _close(m.loss_std, float(torch.tensor(losses, dtype=torch.float64).std(correction=0)), 1e-9, "loss_std")
+    _close(m.loss_range, max(losses) - min(losses), 1e-9, "loss_range")
+    _close_list(m.cosine_to_mean, to_mean.tolist(), mean_rel, "cosine_to_mean", abs_tol=mean_rel)
+    _close(m.mean_grad_norm, float(mean.norm()), mean_rel, "mean_grad_norm")
+    _close(m.gradient_diversity, float(sqnorms.sum() / (n**2 * mean.norm() ** 2)), mean_rel, "gradient_diversity")
+    # Differences of nearly equal squared norms: the fp32 hook values lose a few more digits here.
+    _close(m.grad_sqnorm_est, grad_sq, 10 * mean_rel, "grad_sqnorm_est")
+    _close(m.trace_sigma_est, trace, 10 * mean_rel, "trace_sigma_est")
+    _close(m.noise_scale, trace / grad_sq, 20 * mean_rel, "noise_scale")
+    assert m.noise_scale_unit == "tokens"
+    pairwise = torch.tensor(m.pairwise_cosine, dtype=torch.float64)
+    assert pairwise.shape == (n, n)
+    assert bool((pairwise.abs() <= 1).all()), "a cosine outside [-1, 1]"
+    tol = 1e-5 if exact_pairwise else SKETCH_COS_TOL
+    worst = float((pairwise - cos).abs().max())
+    assert worst <= tol, f"pairwise_cosine off by {worst:.3g} (tolerance {tol:.3g}, {m.direction})"
+    _close(m.cosine_mean, float(off.mean()), 0.0, "cosine_mean", abs_tol=tol)
+    _close(m.cosine_min, float(off.min()), 0.0, "cosine_min", abs_tol=tol)
+    assert m.nonfinite_ranks == []
+    json.dumps(m.to_dict(), allow_nan=False)
+
+
+def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1) -> list:
+    """``steps`` monitored steps, each checked against the reference; returns the StepMetrics/None list."""
+    rank, n = distributed.rank(), distributed.world_size()
+    ddp, reference_model = _make_ddp(dtype, bucket_view)
+    monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7)
+    bf16 = dtype == torch.bfloat16
+    results = []
+    for step in range(steps):
+        loss, local = _train_step(ddp, reference_model, step, accum, dtype)
+        tokens = 10 + 3 * rank
+        m = monitor.end_step(torch.tensor(loss, dtype=torch.float64), tokens=tokens, extras={"compute_ms": float(rank)})
+        results.append(m)
+        grads = distributed.all_gather_rows(local)
+        losses = distributed.all_gather_rows(torch.tensor([loss], dtype=torch.float64))[:, 0].tolist()
+        # DDP must still apply the plain average (bf16: rounded as DDP's own bf16 all-reduce does).
+        applied = _applied_mean_gradient(ddp)
+        tolerance = 2e-2 * float(grads.mean(0).abs().max()) if bf16 else 1e-6
+        assert torch.allclose(applied, grads.mean(0), rtol=0, atol=tolerance), f"step {step}: applied grad != mean"
+        if step % every:
+            assert m is None, f"step {step} is not sampled (every={every}) but end_step returned {m!r}"
+        else:
+            assert m is not None and m.step == step and m.direction == direction
+            assert m.world_size == n and m.per_rank_extras == {"compute_ms": [float(r) for r in range(n)]}
+            # Exact mode reads everything off the float64 Gram; sketch mode's cosine-to-mean uses the
+            # hook's dot with the all-reduced mean, which DDP rounds to bf16 for a bf16 model.
+            mean_rel = 1e-5 if direction == "exact" or not bf16 else 2e-2
+            _check_against_reference(m, grads, losses, [10 + 3 * r for r in range(n)], direction == "exact", mean_rel)
+        _finish_step(ddp, reference_model)
+    sampled = [m for m in results if m is not None]
+    assert sampled[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {sampled[-1].buckets}"
+    # Guards the scenario itself: the bucket layout must change between the first and a later step.
+    assert sampled[0].buckets != sampled[-1].buckets, "DDP did not rebuild its buckets; rebuild path not exercised"
+    _check_close_restores_average(ddp, reference_model, monitor, dtype)
+    return results
+
+
+def _check_close_restores_average(ddp, reference_model, monitor, dtype) -> None:
+    monitor.close()
+    _, local = _train_step(ddp, reference_model, 99, 1, dtype)
+    mean = distributed.all_gather_rows(local).mean(0)
+    tolerance = 2e-2 * float(mean.abs().max()) if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(_applied_mean_gradient(ddp), mean, rtol=0, atol=tolerance), "after close(): not the mean"
+    with pytest.raises(RuntimeError, match="close"):
+        monitor.end_step(0.0)
+
+
+def _check_nonfinite() -> None:
+    """Rank 2's gradient goes NaN, rank 1 reports a NaN loss: both listed, the rest still measured."""
+    rank, n = distributed.rank(), distributed.world_size()
+    ddp, reference_model = _make_ddp(torch.float32, False)
+    monitor = WorkerConsistencyMonitor(ddp, direction="sketch")
+    loss, local = _train_step(ddp, reference_model, 0, 1, torch.float32, poison=rank == 2)
+    reported = float("nan") if rank == 1 else loss  # rank 2's loss is NaN too, through its input
+    m = monitor.end_step(reported)
+    assert m.nonfinite_ranks == [1, 2], m.nonfinite_ranks
+    assert math.isnan(m.per_rank_grad_norm[2]) and math.isnan(m.per_rank_loss[1])
+    losses = distributed.all_gather_rows(torch.tensor([reported], dtype=torch.float64))[:, 0]
+    finite_losses = losses[[0, 3]]
+    assert bool(torch.isfinite(finite_losses).all()) and not bool(torch.isfinite(losses[1:3]).any())
+    _close(m.loss_std, float(finite_losses.std(correction=0)), 1e-9, "loss_std over finite ranks")
+    _close(m.loss_range, float(finite_losses.max() - finite_losses.min()), 1e-9, "loss_range over finite ranks")
+    norms = distributed.all_gather_rows(local).norm(dim=1)
+    finite_norms = norms[[r for r in range(n) if r != 2]]
+    _close(m.grad_norm_std, float(finite_norms.std(correction=0)), 1e-5, "grad_norm_std over finite ranks")
+    # The all-reduced mean is NaN, so everything measured against it is NaN, not averaged away.
+    assert all(math.isnan(c) for c in m.cosine_to_mean) and math.isnan(m.noise_scale)
+    assert math.isnan(m.pairwise_cosine[0][2]) and math.isfinite(m.cosine_min)
+    data = m.to_dict()
+    json.dumps(data, allow_nan=False)
+    assert data["per_rank_grad_norm"][2] is None and data["mean_grad_norm"] is None
+    monitor.close()
+
+
+def _check_bad_arguments() -> None:
+    ddp, _ = _make_ddp(torch.float32, False)
+    for field, value in (("direction", "dense"), ("sketch_dim", 0), ("every", 0), ("exact_chunk_numel", -1)):
+        with pytest.raises(ValueError, match=field):
+            WorkerConsistencyMonitor(ddp, **{field: value})
+
+
+def _four_rank_worker() -> None:
+    distributed.set_worker_threads(4)
+    distributed.init_distributed("cpu", "gloo", 120)
+    try:
+        _check_bad_arguments()
+        _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3)
+        results = _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2)
+        assert [m is None for m in results] == [False, True, False, True]
+        _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2)
+        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2)
+        _check_nonfinite()
+    finally:
+        distributed.destroy_distributed()
+
+
+def _eight_rank_worker() -> None:
+    distributed.set_worker_threads(8)
+    distributed.init_distributed("cpu", "gloo", 120)
+    try:
+        _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=2)
+    finally:
+        distributed.destroy_distributed()
+
+
+def test_rejects_a_model_that_is_not_ddp():
+    with pytest.raises(TypeError, match="torch.nn.modules.linear.Linear"):
+        WorkerConsistencyMonitor(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.multiprocess
+def test_monitor_matches_reference_on_four_ranks():
+    distributed.launch_local(_four_rank_worker, 4, run_id="test-monitor-4")
+
+
+@pytest.mark.multiprocess
+def test_monitor_matches_reference_on_eight_ranks():
+    distributed.launch_local(_eight_rank_worker, 8, run_id="test-monitor-8")
