@@ -156,8 +156,14 @@ def prepare_run_dir(path: Path) -> Path:
         probe.unlink()
     except OSError as exc:
         raise InvalidInput(f"--out {path}: directory is not writable ({exc.strerror or exc})") from None
-    if any((path / name).exists() for name in (RESULT_FILE, STEPS_FILE)):
-        raise InvalidInput(f"--out {path}: already holds a probe run; choose an empty directory")
+    try:
+        # Claim the directory atomically: of two probes given the same --out, exactly one wins.
+        with open(path / RESULT_FILE, "x", encoding="utf-8") as claim:
+            claim.write("{}\n")
+    except FileExistsError:
+        raise InvalidInput(f"--out {path}: already holds a probe run; choose an empty directory") from None
+    except OSError as exc:
+        raise InvalidInput(f"--out {path}: directory is not writable ({exc.strerror or exc})") from None
     return path
 
 

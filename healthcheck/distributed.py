@@ -12,12 +12,15 @@ Run a probe under an external launcher (this module then joins as one worker)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput, ProbeFailed
@@ -269,6 +272,32 @@ def launch_local(
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
         raise ProbeFailed(describe_child_failure(exc)) from None
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard_interrupt():
+    """Treat SIGTERM like Ctrl-C while a probe runs, so both end in the same clean 'interrupted' path.
+
+    While workers run, the elastic agent installs its own SIGTERM/SIGINT handlers, shuts the
+    workers down and raises ``SignalException``; that too becomes ``KeyboardInterrupt`` here.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    if on_main_thread:
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        yield
+    except SignalException as exc:
+        raise KeyboardInterrupt(str(exc)) from None
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def describe_child_failure(exc) -> str:

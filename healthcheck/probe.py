@@ -33,6 +33,10 @@ from healthcheck.errors import ProbeFailed
 from healthcheck.modeling import load_tokenizer, model_source
 from healthcheck.summary import summarize_run
 from healthcheck.trainer import probe_worker
+from healthcheck.watchdog import Watchdog
+
+#: Extra seconds the process group waits beyond distributed.timeout_s under the local launcher.
+PG_TIMEOUT_GRACE_S = 30.0
 
 
 def preflight(config: ProbeConfig) -> None:
@@ -81,13 +85,17 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(config))
     write_result(run_dir, _result(config, started_at, started_wall, None, "running", None, run_dir))
     warm_parent_caches(config)
+    timeout_s = config.distributed.timeout_s
+    # The watchdog ends a stalled probe at timeout_s and can name the stuck rank; the process
+    # group's own timeout comes later so that it does not pre-empt the watchdog with a vaguer error.
+    args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S)
+    watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s)
     try:
-        payloads = hdist.launch_local(
-            probe_worker, config.distributed.nproc, (config.model_dump_json(), str(run_dir), started_wall),
-            run_id=f"healthcheck-{config.name}",
-        )
+        with watchdog, hdist.interrupts_as_keyboard_interrupt():
+            payloads = hdist.launch_local(probe_worker, config.distributed.nproc, args, run_id=f"healthcheck-{config.name}")
     except ProbeFailed as exc:
-        result = _result(config, started_at, started_wall, None, "incomplete", describe_failure(run_dir, exc.message), run_dir)
+        failure = watchdog.fired or describe_failure(run_dir, exc.message)
+        result = _result(config, started_at, started_wall, None, "incomplete", failure, run_dir)
         write_result(run_dir, result)
         raise ProbeFailed(f"{result.failure}; partial artifacts in {run_dir}") from None
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from healthcheck.errors import InvalidInput
 from healthcheck.faults import install_faults
 from healthcheck.modeling import build_model, load_tokenizer
 from healthcheck.progress import StepProgress
+from healthcheck.watchdog import Heartbeat
 
 
 def seed_everything(seed: int) -> dict[str, int]:
@@ -95,12 +96,12 @@ def response_tokens(batch: dict[str, Any]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def probe_worker(config_json: str, run_dir: str, started_at: float) -> dict[str, Any] | None:
+def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: float | None = None) -> dict[str, Any] | None:
     """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's environment and timing."""
     config = ProbeConfig.model_validate_json(config_json)
     progress_marker = {"step": None}
     try:
-        return _probe_worker(config, Path(run_dir), started_at, progress_marker)
+        return _probe_worker(config, Path(run_dir), started_at, progress_marker, pg_timeout_s)
     except BaseException as exc:
         record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, progress_marker["step"], exc)
         raise
@@ -121,7 +122,9 @@ def record_worker_failure(run_dir: Path, rank: int, step: int | None, exc: BaseE
         pass  # the launcher still reports the exit code
 
 
-def _probe_worker(config: ProbeConfig, run_dir: Path, started_at: float, progress_marker: dict) -> dict[str, Any] | None:
+def _probe_worker(
+    config: ProbeConfig, run_dir: Path, started_at: float, progress_marker: dict, pg_timeout_s: float | None
+) -> dict[str, Any] | None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -130,7 +133,8 @@ def _probe_worker(config: ProbeConfig, run_dir: Path, started_at: float, progres
     local = hdist.get_dist_info()
     device_type = hdist.resolve_device(config.distributed.device, local.local_world_size)
     backend = hdist.resolve_backend(config.distributed.backend, device_type)
-    info = hdist.init_distributed(device_type, backend, config.distributed.timeout_s)
+    info = hdist.init_distributed(device_type, backend, pg_timeout_s or config.distributed.timeout_s)
+    heartbeat = Heartbeat(run_dir, info.rank)
     try:
         hdist.set_worker_threads(info.local_world_size)
         for rank in config.rank_overrides:
@@ -171,7 +175,7 @@ def _probe_worker(config: ProbeConfig, run_dir: Path, started_at: float, progres
         )
         all_ranks = hdist.all_gather_objects(rank_info.model_dump())
 
-        loop = TrainLoop(config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir, progress_marker)
+        loop = TrainLoop(config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir, progress_marker, heartbeat)
         first_step_at = time.time()
         loop.run()
         monitor.close()
@@ -194,11 +198,12 @@ def _probe_worker(config: ProbeConfig, run_dir: Path, started_at: float, progres
 class TrainLoop:
     """The optimizer-step loop; rank 0 streams each sampled step's rows to the run directory."""
 
-    def __init__(self, config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir: Path, marker: dict):
+    def __init__(self, config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir: Path, marker: dict, heartbeat):
         self.config, self.mine, self.info, self.device = config, mine, info, device
         self.ddp, self.monitor, self.optimizer, self.scheduler, self.batches = ddp, monitor, optimizer, scheduler, batches
         self.run_dir = run_dir
         self.marker = marker  # the step in progress, for the crash report
+        self.heartbeat = heartbeat
         self.steps_completed = 0
         self.stopped_early: str | None = None
         self.train_s = 0.0
@@ -235,6 +240,7 @@ class TrainLoop:
         import torch
 
         train, faults = self.mine.train, self.mine.faults
+        self.heartbeat.beat(step, "compute")
         t0 = time.perf_counter()
         micro = [self.batches.next() for _ in range(train.grad_accum_steps)]
         tokens = sum(response_tokens(batch) for batch in micro)
@@ -256,7 +262,9 @@ class TrainLoop:
         _sync(self.device)
         compute_ms = (time.perf_counter() - t0) * 1000
         local_loss = loss_sum * (train.loss_scale / denominator)
+        self.heartbeat.beat(step, "sync")
         metrics = self.monitor.end_step(local_loss, tokens=tokens, extras={"compute_ms": compute_ms})
+        self.heartbeat.beat(step, "optimizer")
         if train.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), train.max_grad_norm)
         self.optimizer.step()
