@@ -433,6 +433,16 @@ def history_path(path: Path) -> Path:
 def save_baseline(baseline: Baseline, path: Path | str) -> None:
     """Write atomically under a file lock, first appending the replaced version to the history file."""
     path = Path(path)
+    try:
+        _save_locked(baseline, path)
+    except OSError as exc:
+        # Disk full or read-only: the temp file is removed and the old baseline was never touched.
+        raise BaselineError(
+            f"{path}: cannot write baseline ({exc.strerror or exc}); the previous baseline, if any, is unchanged"
+        ) from None
+
+
+def _save_locked(baseline: Baseline, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(path) + ".lock"):
         if path.exists():

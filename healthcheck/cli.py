@@ -179,14 +179,29 @@ COMMANDS = {
 }
 
 
+def one_line(text: str) -> str:
+    """Escape line breaks so a message prints as exactly one line.
+
+    >>> one_line("a\\nb")
+    'a\\\\nb'
+    """
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except HealthcheckError as exc:
-        print(f"healthcheck: error: {exc.message}", file=sys.stderr)
+        # One line, always: a CI log reader greps for it, and user text can carry newlines.
+        print(f"healthcheck: error: {one_line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
+    except OSError as exc:
+        # Output that cannot be written (disk full, read-only mount) after the inputs were accepted.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"healthcheck: error: {where}cannot write ({exc.strerror or exc})", file=sys.stderr)
+        return int(ExitCode.INVALID_INPUT)
     except KeyboardInterrupt:
         print("healthcheck: interrupted", file=sys.stderr)
         return int(ExitCode.PROBE_FAILED)

@@ -170,6 +170,11 @@ class FaultConfig(_Section):
     )
     step_sleep_ms: float = Field(0.0, ge=0, le=60_000, description="Sleep this long in every step's compute.")
     nan_at_step: Optional[int] = Field(None, ge=0, description="Make the local loss NaN at this step.")
+    crash_at_step: Optional[int] = Field(None, ge=0, description="Crash this rank at the start of this step (reliability tests).")
+    crash_mode: Literal["exception", "sigkill"] = Field(
+        "exception", description="How crash_at_step crashes: raise an exception, or SIGKILL the worker itself."
+    )
+    hang_at_step: Optional[int] = Field(None, ge=0, description="Sleep forever at the start of this step (a hung worker).")
 
 
 #: Sections a rank override may change; the layout (distributed) and measurement (metrics) are global.
@@ -202,10 +207,11 @@ class ProbeConfig(_Section):
         for rank, override in self.rank_overrides.items():
             if rank < 0 or rank >= self.distributed.nproc:
                 raise ValueError(f"rank_overrides: rank {rank} is outside the world (nproc={self.distributed.nproc})")
-            bad = sorted(set(override) - set(OVERRIDABLE_SECTIONS))
+            bad = sorted(map(str, set(override) - set(OVERRIDABLE_SECTIONS)))
             if bad:
                 raise ValueError(
-                    f"rank_overrides.{rank}: cannot override {', '.join(bad)} (allowed: {', '.join(OVERRIDABLE_SECTIONS)})"
+                    f"rank_overrides.{rank}: cannot override {field_path(bad).replace('.', ', ')} "
+                    f"(allowed: {', '.join(OVERRIDABLE_SECTIONS)})"
                 )
             _validate_override(self, rank, override)
         return self
@@ -225,7 +231,7 @@ def _validate_override(config: ProbeConfig, rank: int, override: dict[str, Any])
         ProbeConfig.model_validate(merged)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        loc = field_path(first["loc"])
         msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
         raise ValueError(f"rank_overrides.{rank}.{loc}: {msg}") from None
 
@@ -282,7 +288,7 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     """One line: ``source: field.path: message (got value)`` for each error, joined by ``; ``."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = field_path(err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -290,6 +296,15 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         # Model-level validators already put the field path at the front of their message.
         parts.append(f"{loc}: {msg}{got}" if loc else f"{msg}{got}")
     return f"{source}: " + "; ".join(parts)
+
+
+def field_path(parts) -> str:
+    """Dotted path of a field; odd keys (empty, spaces, newlines) are quoted so the line stays readable.
+
+    >>> field_path(("train", "steps")), field_path(("rank_overrides", 0, "my key"))
+    ('train.steps', "rank_overrides.0.'my key'")
+    """
+    return ".".join(str(p) if re.fullmatch(r"[\w-]+", str(p)) else repr(p) for p in parts)
 
 
 def _short(value: Any) -> str:

@@ -271,7 +271,9 @@ def launch_local(
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
-        raise ProbeFailed(describe_child_failure(exc)) from None
+        failed = ProbeFailed(describe_child_failure(exc))
+        failed.signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
+        raise failed from None
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

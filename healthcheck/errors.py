@@ -46,3 +46,5 @@ class ProbeFailed(HealthcheckError):
     """The probe did not finish (exit 3): crash, hang, timeout or interrupt."""
 
     exit_code = ExitCode.PROBE_FAILED
+    #: rank -> signal number, for workers the launcher saw die by a signal (they leave no report).
+    signals: dict[int, int] = {}

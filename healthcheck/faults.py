@@ -7,6 +7,10 @@ The loss-side faults (``nan_at_step``, ``train.loss_scale``) live in the trainer
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 from healthcheck.config import FaultConfig
 
 
@@ -17,6 +21,21 @@ def install_faults(model, faults: FaultConfig) -> None:
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(_noise_hook(std))
+
+
+def at_step_start(faults: FaultConfig, step: int) -> None:
+    """Process-level faults for the reliability tests: crash (exception or SIGKILL) or hang."""
+    if faults.crash_at_step == step:
+        if faults.crash_mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(f"injected crash at step {step}")
+    if faults.hang_at_step == step:
+        while True:  # a hung worker: only the watchdog or a timeout ends this
+            time.sleep(3600)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``faults.crash_at_step``."""
 
 
 def _noise_hook(relative_std: float):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,11 @@ from healthcheck.artifacts import (
 )
 from healthcheck.config import ProbeConfig, dump_yaml, resolve_for_rank
 from healthcheck.data import check_data_inputs, prepare_samples
-from healthcheck.errors import ProbeFailed
+from healthcheck.errors import InvalidInput, ProbeFailed
 from healthcheck.modeling import load_tokenizer, model_source
 from healthcheck.summary import summarize_run
 from healthcheck.trainer import probe_worker
-from healthcheck.watchdog import Watchdog
+from healthcheck.watchdog import Watchdog, read_beats
 
 #: Extra seconds the process group waits beyond distributed.timeout_s under the local launcher.
 PG_TIMEOUT_GRACE_S = 30.0
@@ -94,7 +95,7 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
         with watchdog, hdist.interrupts_as_keyboard_interrupt():
             payloads = hdist.launch_local(probe_worker, config.distributed.nproc, args, run_id=f"healthcheck-{config.name}")
     except ProbeFailed as exc:
-        failure = watchdog.fired or describe_failure(run_dir, exc.message)
+        failure = watchdog.fired or describe_failure(run_dir, exc.message, exc.signals)
         result = _result(config, started_at, started_wall, None, "incomplete", failure, run_dir)
         write_result(run_dir, result)
         raise ProbeFailed(f"{result.failure}; partial artifacts in {run_dir}") from None
@@ -109,17 +110,22 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
 
 def _run_as_worker(config, run_dir, started_wall, started_at):
     """Under torchrun: rank 0 picks the run directory and every rank learns it before training."""
-    hdist.init_distributed(
-        hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size),
-        hdist.resolve_backend(config.distributed.backend, hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size)),
-        config.distributed.timeout_s,
-    )
+    device_type = hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size)
+    hdist.init_distributed(device_type, hdist.resolve_backend(config.distributed.backend, device_type), config.distributed.timeout_s)
     is_rank0 = hdist.rank() == 0
-    chosen = None
+    chosen, refusal = None, None
     if is_rank0:
-        chosen = str(prepare_run_dir(run_dir or default_run_dir(config.name)))
-        write_text_atomic(Path(chosen) / CONFIG_FILE, dump_yaml(config))
-    chosen = hdist.broadcast_object(chosen)
+        try:
+            chosen = str(prepare_run_dir(run_dir or default_run_dir(config.name)))
+            write_text_atomic(Path(chosen) / CONFIG_FILE, dump_yaml(config))
+        except InvalidInput as exc:
+            refusal = exc.message
+    # Rank 0's refusal (e.g. --out already holds a run) travels with the broadcast, so every rank
+    # exits 2 with the same line instead of its peers dying in the broadcast with a gloo/NCCL traceback.
+    chosen, refusal = hdist.broadcast_object((chosen, refusal))
+    if refusal is not None:
+        hdist.destroy_distributed()
+        raise InvalidInput(refusal)
     run_path = Path(chosen)
     payload = probe_worker(config.model_dump_json(), chosen, started_wall)
     if not is_rank0:
@@ -129,12 +135,19 @@ def _run_as_worker(config, run_dir, started_wall, started_at):
     return result, run_path
 
 
-def describe_failure(run_dir: Path, launcher_message: str) -> str:
-    """Name the rank and step that died: the earliest worker error report, else the launcher's view.
+def describe_failure(run_dir: Path, launcher_message: str, signals: dict[int, int] | None = None) -> str:
+    """Name the rank and step that died.
 
-    When one rank raises, its peers then fail on broken collectives; the earliest report is the cause.
-    A rank killed by a signal leaves no report, so the step comes from the last recorded row.
+    A rank killed by a signal leaves no report of its own, and its peers then fail on broken
+    collectives, so a signal death seen by the launcher comes first (its step from the rank's
+    heartbeat). Otherwise the earliest worker error report is the cause: the later ones are peers
+    failing on the collective the first one abandoned.
     """
+    beats = {beat.rank: beat for beat in read_beats(run_dir)}
+    for rank, signum in sorted((signals or {}).items()):
+        beat = beats.get(rank)
+        where = f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else "during start-up"
+        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where}"
     reports = []
     for path in (run_dir / "errors").glob("rank-*.json"):
         try:
@@ -147,6 +160,13 @@ def describe_failure(run_dir: Path, launcher_message: str) -> str:
         return f"rank {first['rank']} failed {where}: {first['reason']}"
     last = summarize_run(run_dir, 0)["last_step"]
     return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"
 
 
 def _environment(payload: dict[str, Any]) -> Environment:

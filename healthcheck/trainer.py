@@ -21,6 +21,7 @@ from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, JsonlWriter, Rank
 from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.data import IGNORE_INDEX, MicroBatches, prepare_samples, shard_plan
 from healthcheck.errors import InvalidInput
+from healthcheck.faults import at_step_start as faults_at_step_start
 from healthcheck.faults import install_faults
 from healthcheck.modeling import build_model, load_tokenizer
 from healthcheck.progress import StepProgress
@@ -241,6 +242,7 @@ class TrainLoop:
 
         train, faults = self.mine.train, self.mine.faults
         self.heartbeat.beat(step, "compute")
+        faults_at_step_start(faults, step)
         t0 = time.perf_counter()
         micro = [self.batches.next() for _ in range(train.grad_accum_steps)]
         tokens = sum(response_tokens(batch) for batch in micro)

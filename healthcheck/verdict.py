@@ -52,6 +52,20 @@ def outlier_ranks(per_rank: list[RankSummary], z_field: str, threshold: float = 
     return sorted(found, key=lambda item: -abs(item[1]))
 
 
+def normalized_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The baseline's config as today's model sees it, defaults filled in.
+
+    A baseline recorded before a config field existed would otherwise show that field as a
+    change (``null -> default``) in every verdict. A snapshot today's model rejects is diffed raw.
+    """
+    from healthcheck.config import ProbeConfig
+
+    try:
+        return ProbeConfig.model_validate(snapshot).model_dump(mode="json")
+    except ValueError:
+        return snapshot
+
+
 def config_diff(baseline_config: dict[str, Any], candidate_config: dict[str, Any]) -> list[ConfigChange]:
     """Every leaf that differs, as dotted paths. Keys compare as strings (a JSON round trip turns
     ``rank_overrides`` keys 0 into "0"); list items are addressed by index; added or removed keys have
@@ -190,7 +204,7 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
         notes.append(f"baseline is for probe {baseline.name!r}, this run is probe {result.name!r}")
     findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
     findings += [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
-    diff = config_diff(baseline.config, result.config.model_dump(mode="json"))
+    diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
     return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff)
 
 
