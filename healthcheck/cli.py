@@ -105,11 +105,9 @@ def cmd_probe(args) -> int:
     result, run_dir = run_probe(config, args.out)
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return int(ExitCode.PASS)
-    if args.no_judge:
-        from healthcheck.report import publish_report
-
-        return publish_report(run_dir, result, None)
-    return gate_run(result, run_dir, baseline_path, force=args.force, config_hint=args.config)
+    return gate_run(
+        result, run_dir, baseline_path, force=args.force, config_hint=args.config, judge_against_baseline=not args.no_judge
+    )
 
 
 def cmd_config(args) -> int:

@@ -20,6 +20,7 @@ def gate_run(
     force: bool = False,
     console=None,
     config_hint: str | None = None,
+    judge_against_baseline: bool = True,
 ) -> int:
     """Judge ``result`` against the baseline at ``baseline_path`` and report; return the exit code.
 
@@ -32,7 +33,9 @@ def gate_run(
 
     if result.status != "complete":
         publish_report(run_dir, result, None, console)
-        raise ProbeFailed(f"probe {result.status}: {result.failure or 'no reason recorded'}; artifacts in {run_dir}")
+        raise ProbeFailed(f"probe {result.status}: {result.failure or 'no reason recorded'}; partial artifacts in {run_dir}")
+    if not judge_against_baseline:
+        return publish_report(run_dir, result, None, console)
     try:
         baseline = load_baseline(baseline_path, config_hint=config_hint)
         verdict = judge(result, baseline, baseline_path=str(baseline_path), force=force)

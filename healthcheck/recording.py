@@ -9,6 +9,7 @@ from pathlib import Path
 
 from healthcheck.artifacts import RunResult, default_run_dir
 from healthcheck.config import ProbeConfig
+from healthcheck.errors import ProbeFailed
 
 
 def seeded(config: ProbeConfig, seed: int) -> ProbeConfig:
@@ -31,6 +32,8 @@ def run_repeats(
         run_dir = default_run_dir(f"{config.name}-seed{seed}", runs_root)
         result, _ = run_probe(seeded(config, seed), run_dir)
         assert result is not None
+        if result.status != "complete":
+            raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {result.status}: {result.failure}; artifacts in {run_dir}")
         print(f"  run {index + 1}/{repeats}: seed {seed} -> {run_dir} ({result.status})", flush=True)
         results.append(result)
         run_dirs.append(run_dir)

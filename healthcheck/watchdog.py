@@ -19,7 +19,9 @@ from pathlib import Path
 
 HEARTBEAT_DIR = "heartbeat"
 #: Phases of one step, in order; a rank further along has a higher (step, phase index).
-PHASES = ("start", "compute", "sync", "optimizer")
+#: "backward" is the final micro-step's backward, where DDP's all-reduce runs: a rank waiting there
+#: for a peer is distinguishable from the peer still computing.
+PHASES = ("start", "compute", "backward", "sync", "optimizer")
 
 
 class Heartbeat:

@@ -54,7 +54,9 @@ def test_worker_crash_exits_3_naming_rank_and_step(tmp_path, mode):
         assert "rank 1 failed at step 3: InjectedFault: injected crash at step 3" in line
         assert (out / "errors" / "rank-1.traceback.txt").exists()
     else:
-        assert "rank 1 was killed by signal 9 (SIGKILL) in step 3" in line
+        # Either the launcher saw the signal, or rank 0's broken connection came first: rank 1 is named.
+        assert ("rank 1 was killed by signal 9 (SIGKILL) in step 3" in line
+                or "rank 1 died without an error report in step 3" in line), line
     result = result_of(out)
     assert result["status"] == "incomplete" and "rank 1" in result["failure"]
     assert sorted({row["step"] for row in read_rows(out / "steps.jsonl")}) == [0, 1, 2]  # kept, not lost
