@@ -6,6 +6,7 @@ all of them to one exit code, and the report renders them. Stored as ``RUN_DIR/v
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -71,3 +72,54 @@ class Verdict(_Model):
             findings=findings,
             **kwargs,
         )
+
+
+# --------------------------------------------------------------------------- text shared by every report format
+
+
+def exit_code_for(result, verdict: Optional[Verdict]) -> int:
+    """3 when the probe did not finish, else the verdict's code, else 0 (complete, nothing judged)."""
+    if result.status != "complete":
+        return int(ExitCode.PROBE_FAILED)
+    return verdict.exit_code if verdict is not None else int(ExitCode.PASS)
+
+
+def verdict_headline(verdict: Optional[Verdict], status: str, failure: Optional[str] = None) -> tuple[str, str, str]:
+    """(label, sentence, style key) for the banner, the markdown title, JUnit and plot titles.
+
+    >>> verdict_headline(None, "complete")[:2]
+    ('NO BASELINE', 'probe complete, nothing judged (no verdict)')
+    """
+    if status != "complete":
+        label = "INTERRUPTED" if status == "interrupted" else "INCOMPLETE"
+        return label, f"probe did not finish: {failure or f'result still marked {status}'}", "fail"
+    if verdict is None:
+        return "NO BASELINE", "probe complete, nothing judged (no verdict)", "warn"
+    total, failed = len(verdict.findings), len(verdict.failures)
+    if verdict.status == "fail":
+        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed", "fail"
+    return "PASS", f"all {total} checks within their baseline envelopes", "pass"
+
+
+def format_number(value: Optional[float], spec: str = ".4g") -> str:
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
+    return format(value, spec)
+
+
+def format_envelope(finding: Finding) -> str:
+    if finding.lower is None and finding.upper is None:
+        return "-"
+    lower = format_number(finding.lower) if finding.lower is not None else "-inf"
+    upper = format_number(finding.upper) if finding.upper is not None else "+inf"
+    return f"[{lower}, {upper}]"
+
+
+def ranks_suffix(finding: Finding) -> str:
+    # verdict.py already names the ranks in an envelope's message; other checks may only fill ``ranks``.
+    if not finding.ranks or "rank" in finding.message:
+        return ""
+    word = "rank" if len(finding.ranks) == 1 else "ranks"
+    return f" ({word} {', '.join(str(r) for r in finding.ranks)})"

@@ -20,7 +20,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from healthcheck.artifacts import RunResult
 from healthcheck.findings import Finding, Verdict
-from healthcheck.report import find_standouts, rank_summaries, verdict_headline
+from healthcheck.attribution import find_standouts, rank_summaries
+from healthcheck.findings import verdict_headline
 
 LOSS_PNG = "loss.png"
 DISPERSION_PNG = "dispersion.png"

@@ -19,12 +19,9 @@ import logging
 import math
 import os
 import re
-import sys
-import xml.etree.ElementTree as ET
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, TextIO
+from typing import Any, Mapping, Optional, Sequence
 
 from rich import box
 from rich.console import Console
@@ -42,8 +39,25 @@ from healthcheck.artifacts import (
     read_jsonl,
     write_text_atomic,
 )
-from healthcheck.errors import ExitCode
-from healthcheck.findings import Finding, Verdict
+from healthcheck.attribution import (
+    ATTRIBUTION_METRICS,
+    PERSISTENCE_P,
+    STANDOUT_Z,
+    Standout,
+    find_standouts,
+    rank_summaries,
+    standout_sentences,
+)
+from healthcheck.ci_outputs import emit_annotations, render_junit
+from healthcheck.findings import (
+    Finding,
+    Verdict,
+    exit_code_for,
+    format_envelope,
+    format_number,
+    ranks_suffix,
+    verdict_headline,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +65,6 @@ REPORT_FILE = "report.md"
 JUNIT_FILE = "junit.xml"
 PLOTS_DIR = "plots"
 
-#: Per-rank quantities the attribution compares, as named in ``steps.jsonl`` and ``RankSummary``.
-ATTRIBUTION_METRICS = ("loss", "grad_norm", "cosine_to_mean", "compute_ms")
-#: A rank stands out when its leave-one-out z (``healthcheck.summary``) reaches this *and* it is
-#: persistently off: on the same side of the other ranks' mean in enough window steps that a
-#: one-sided sign test reaches PERSISTENCE_P. Why both: with 8 ranks the spread of the other 7 is
-#: itself noisy, so |z| >= 3 alone names some rank in ~32% of healthy runs per metric (~80% over the
-#: four metrics; simulated, 8 ranks x 50 steps of iid noise). A rank that is really off is off in
-#: almost every step, a chance z is not: with the sign test, ~1.7% of healthy runs name a rank.
-STANDOUT_Z = 3.0
-PERSISTENCE_P = 1e-3
 #: How each attribution metric prints (losses and cosines differ in the third decimal).
 _RANK_FORMATS = {"loss": ".3f", "grad_norm": ".4g", "cosine_to_mean": ".3f", "compute_ms": ".1f"}
 #: The terminal shows at most this many ranks (the most extreme); report.md shows all.
@@ -86,54 +90,6 @@ _ASCII = _Glyphs(dash="--", arrow="->", bullet="-", separator="; ")
 # --------------------------------------------------------------------------- verdict
 
 
-def exit_code_for(result: RunResult, verdict: Optional[Verdict]) -> int:
-    """3 when the probe did not finish, else the verdict's code, else 0 (complete, nothing judged)."""
-    if result.status != "complete":
-        return int(ExitCode.PROBE_FAILED)
-    return verdict.exit_code if verdict is not None else int(ExitCode.PASS)
-
-
-def verdict_headline(verdict: Optional[Verdict], status: str, failure: Optional[str] = None) -> tuple[str, str, str]:
-    """(label, sentence, style key) for the banner, the markdown title, JUnit and plot titles.
-
-    >>> verdict_headline(None, "complete")[:2]
-    ('NO BASELINE', 'probe complete, nothing judged (no verdict)')
-    """
-    if status != "complete":
-        label = "INTERRUPTED" if status == "interrupted" else "INCOMPLETE"
-        return label, f"probe did not finish: {failure or f'result still marked {status}'}", "fail"
-    if verdict is None:
-        return "NO BASELINE", "probe complete, nothing judged (no verdict)", "warn"
-    total, failed = len(verdict.findings), len(verdict.failures)
-    if verdict.status == "fail":
-        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed", "fail"
-    return "PASS", f"all {total} checks within their baseline envelopes", "pass"
-
-
-def _num(value: Optional[float], spec: str = ".4g") -> str:
-    if value is None:
-        return "-"
-    if not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
-    return format(value, spec)
-
-
-def _envelope(finding: Finding) -> str:
-    if finding.lower is None and finding.upper is None:
-        return "-"
-    lower = _num(finding.lower) if finding.lower is not None else "-inf"
-    upper = _num(finding.upper) if finding.upper is not None else "+inf"
-    return f"[{lower}, {upper}]"
-
-
-def _ranks_suffix(finding: Finding) -> str:
-    # verdict.py already names the ranks in an envelope's message; other checks may only fill ``ranks``.
-    if not finding.ranks or "rank" in finding.message:
-        return ""
-    word = "rank" if len(finding.ranks) == 1 else "ranks"
-    return f" ({word} {', '.join(str(r) for r in finding.ranks)})"
-
-
 def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
     """One row per finding, failures first, then the closest to a bound: cells as in ``_COLUMNS``."""
     ordered = sorted(verdict.findings, key=lambda f: (f.passed, f.margin if f.margin is not None else math.inf))
@@ -143,10 +99,10 @@ def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
             (
                 f.metric or f.check,
                 f.statistic or "-",
-                _num(f.observed),
-                _envelope(f),
+                format_number(f.observed),
+                format_envelope(f),
                 "ok" if f.passed else "FAIL",
-                _num(f.margin, "+.2f"),
+                format_number(f.margin, "+.2f"),
             ),
         )
         for f in ordered
@@ -154,98 +110,6 @@ def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
 
 
 # --------------------------------------------------------------------------- per-rank attribution
-
-
-@dataclass(frozen=True)
-class Standout:
-    """One rank persistently off the others on one metric."""
-
-    rank: int
-    metric: str
-    z: float
-    same_side_steps: int
-    window_steps: int
-
-    def phrase(self) -> str:
-        side = "higher" if self.z > 0 else "lower"
-        evidence = f" ({side} in {self.same_side_steps}/{self.window_steps} steps)" if self.window_steps else ""
-        return f"{self.metric} z={self.z:+.1f}{evidence}"
-
-
-def _window_rows(steps: Iterable[Mapping[str, Any]], start_step: int) -> list[Mapping[str, Any]]:
-    return [row for row in steps if row.get("step", -1) >= start_step and row.get("rank") is not None]
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def rank_summaries(result: RunResult, steps: Optional[Sequence[Mapping[str, Any]]] = None) -> list[RankSummary]:
-    """``result.per_rank``; or, when the probe died before writing it, the same computed from the step rows."""
-    if result.per_rank or not steps:
-        return sorted(result.per_rank, key=lambda s: s.rank)
-    from healthcheck.summary import summarize_ranks  # the one definition of the per-rank z-scores
-
-    return summarize_ranks([dict(row) for row in steps], result.window_start_step)
-
-
-def _sign_test_p(successes: int, trials: int) -> float:
-    """P(at least ``successes`` of ``trials`` fair coin flips land the same way).
-
-    >>> round(_sign_test_p(10, 10), 5)
-    0.00098
-    """
-    return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2**trials
-
-
-def find_standouts(
-    per_rank: Sequence[RankSummary],
-    steps: Optional[Iterable[Mapping[str, Any]]] = None,
-    start_step: int = 0,
-    *,
-    z_threshold: float = STANDOUT_Z,
-    p_threshold: float = PERSISTENCE_P,
-) -> list[Standout]:
-    """Ranks with |z| >= ``z_threshold`` that are off the same way in enough window steps (see PERSISTENCE_P).
-
-    Without step rows, |z| alone decides. Ordered by rank, then by |z| (largest first).
-    """
-    rows = _window_rows(steps or (), start_step)
-    found = []
-    for metric in ATTRIBUTION_METRICS:
-        by_step: dict[int, dict[int, float]] = defaultdict(dict)
-        for row in rows:
-            if _finite(row.get(metric)):
-                by_step[int(row["step"])][int(row["rank"])] = float(row[metric])
-        for summary in per_rank:
-            z = getattr(summary, f"z_{metric}")
-            if z is None or not math.isfinite(z) or abs(z) < z_threshold:
-                continue
-            same, total = _same_side_steps(by_step, summary.rank, above=z > 0)
-            if total and _sign_test_p(same, total) > p_threshold:
-                continue
-            found.append(Standout(summary.rank, metric, z, same, total))
-    return sorted(found, key=lambda s: (s.rank, -abs(s.z)))
-
-
-def _same_side_steps(by_step: Mapping[int, Mapping[int, float]], rank: int, *, above: bool) -> tuple[int, int]:
-    same = total = 0
-    for values in by_step.values():
-        others = [v for r, v in values.items() if r != rank]
-        if rank not in values or len(others) < 2:
-            continue
-        total += 1
-        diff = values[rank] - sum(others) / len(others)
-        same += (diff > 0) if above else (diff < 0)
-    return same, total
-
-
-def standout_sentences(standouts: Sequence[Standout]) -> list[str]:
-    """One sentence per rank, e.g. ``rank 0 stands out: cosine_to_mean z=-4.1 (lower in 50/50 steps)``."""
-    by_rank: dict[int, list[Standout]] = defaultdict(list)
-    for s in standouts:
-        by_rank[s.rank].append(s)
-    return [f"rank {rank} stands out: " + ", ".join(s.phrase() for s in items) for rank, items in by_rank.items()]
 
 
 # --------------------------------------------------------------------------- terminal
@@ -327,7 +191,7 @@ def _print_checks(console: Console, verdict: Verdict, styles: dict[str, str], pl
         table.add_row(*cells, style="" if finding.passed else styles["fail"])
     console.print(table)
     for finding in verdict.failures:
-        console.print(Text(f"{glyphs.bullet} {finding.check}: {finding.message}{_ranks_suffix(finding)}", style=styles["fail"]))
+        console.print(Text(f"{glyphs.bullet} {finding.check}: {finding.message}{ranks_suffix(finding)}", style=styles["fail"]))
 
 
 def _print_attribution(
@@ -357,7 +221,7 @@ def _print_attribution(
         for metric in ATTRIBUTION_METRICS:
             z = getattr(summary, f"z_{metric}")
             star = "*" if (summary.rank, metric) in marked else ""
-            cells += [_num(getattr(summary, metric), _RANK_FORMATS[metric]), Text(_num(z, "+.1f") + star, style=styles["fail"] if star else "")]
+            cells += [format_number(getattr(summary, metric), _RANK_FORMATS[metric]), Text(format_number(z, "+.1f") + star, style=styles["fail"] if star else "")]
         table.add_row(*cells, style=styles["fail"] if any(r == summary.rank for r, _ in marked) else "")
     console.print(table)
     legend = f"* stands out: |z| >= {STANDOUT_Z:g}, off the same way in most steps (sign test p <= {PERSISTENCE_P:g})"
@@ -426,7 +290,7 @@ def render_markdown(
         for finding, cells in check_rows(verdict):
             bold = "" if finding.passed else "**"
             out.append("| " + " | ".join(f"{bold}{_md(c)}{bold}" if c != "-" else c for c in cells) + " |")
-        out += [""] + [f"- **{_md(f.check)}**: {_md(f.message + _ranks_suffix(f))}" for f in verdict.failures]
+        out += [""] + [f"- **{_md(f.check)}**: {_md(f.message + ranks_suffix(f))}" for f in verdict.failures]
     if per_rank:
         marked = {(s.rank, s.metric) for s in standouts}
         out += ["", f"### Per-rank means over the window (steps ≥ {result.window_start_step})", ""]
@@ -434,8 +298,8 @@ def render_markdown(
         for s in per_rank:
             cells = [str(s.rank)]
             for metric in ATTRIBUTION_METRICS:
-                z = _num(getattr(s, f"z_{metric}"), "+.1f")
-                cells += [_num(getattr(s, metric), _RANK_FORMATS[metric]), f"**{z}**" if (s.rank, metric) in marked else z]
+                z = format_number(getattr(s, f"z_{metric}"), "+.1f")
+                cells += [format_number(getattr(s, metric), _RANK_FORMATS[metric]), f"**{z}**" if (s.rank, metric) in marked else z]
             out.append("| " + " | ".join(cells) + " |")
         out += ["", f"z: against the other ranks; **bold**: stands out (\\|z\\| ≥ {STANDOUT_Z:g}, persistent)."]
     if verdict is not None:
@@ -449,139 +313,6 @@ def render_markdown(
     if plots:
         out += ["", "### Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(out).rstrip() + "\n"
-
-
-# --------------------------------------------------------------------------- JUnit
-
-
-_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-
-
-def _xml(text: Any) -> str:
-    """XML 1.0 cannot carry most control characters even escaped: replace them."""
-    return _XML_INVALID.sub("?", str(text))
-
-
-def render_junit(result: RunResult, verdict: Optional[Verdict]) -> str:
-    """JUnit XML: a ``probe`` testcase (error when it did not finish), then one testcase per finding.
-
-    A complete run without a verdict gets a skipped ``verdict`` testcase, so the file is never empty.
-    """
-    suite_name = f"healthcheck.{result.name}"
-    cases: list[ET.Element] = []
-    probe = ET.Element("testcase", name="probe", classname=suite_name, time=f"{result.timing.wall_s or 0:.3f}")
-    if result.status != "complete":
-        label, sentence, _ = verdict_headline(verdict, result.status, result.failure)
-        ET.SubElement(probe, "error", message=_xml(sentence), type=result.status).text = _xml(f"{label}: {sentence}")
-    cases.append(probe)
-    if verdict is None and result.status == "complete":
-        case = ET.Element("testcase", name="verdict", classname=suite_name, time="0")
-        ET.SubElement(case, "skipped", message="no baseline: nothing judged")
-        cases.append(case)
-    for finding in verdict.findings if verdict else []:
-        kind = finding.check.split(".", 1)[0]
-        case = ET.Element("testcase", name=_xml(finding.check), classname=f"{suite_name}.{kind}", time="0")
-        if not finding.passed:
-            failure = ET.SubElement(case, "failure", message=_xml(finding.message + _ranks_suffix(finding)), type=finding.check)
-            failure.text = _xml(_finding_details(finding))
-        cases.append(case)
-
-    counts = {
-        "tests": len(cases),
-        "failures": sum(c.find("failure") is not None for c in cases),
-        "errors": sum(c.find("error") is not None for c in cases),
-        "skipped": sum(c.find("skipped") is not None for c in cases),
-    }
-    counted = {k: str(v) for k, v in counts.items()}
-    wall = f"{result.timing.wall_s or 0:.3f}"
-    root = ET.Element("testsuites", name="healthcheck", time=wall, **counted)
-    env = result.environment
-    suite = ET.SubElement(
-        root,
-        "testsuite",
-        name=suite_name,
-        time=wall,
-        timestamp=result.timing.started_at.removesuffix("Z"),
-        hostname=_xml(env.ranks[0].node if env and env.ranks else "localhost"),
-        **counted,
-    )
-    properties = ET.SubElement(suite, "properties")
-    for name, value in (
-        ("config_fingerprint", result.config_fingerprint),
-        ("status", result.status),
-        ("baseline", verdict.baseline_path if verdict else None),
-        ("world_size", env.world_size if env else None),
-    ):
-        if value is not None:
-            ET.SubElement(properties, "property", name=name, value=_xml(value))
-    suite.extend(cases)
-    ET.SubElement(suite, "system-out").text = _xml("\n".join(verdict.notes) if verdict else "")
-    ET.SubElement(suite, "system-err")
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def _finding_details(finding: Finding) -> str:
-    parts = [f"{finding.title}", finding.message + _ranks_suffix(finding)]
-    if finding.observed is not None:
-        parts.append(f"{finding.statistic or 'value'} {_num(finding.observed)}, envelope {_envelope(finding)}, margin {_num(finding.margin, '+.2f')}")
-    return "\n".join(parts)
-
-
-# --------------------------------------------------------------------------- GitHub annotations
-
-
-def escape_data(text: str) -> str:
-    """Escape a workflow-command message.
-
-    >>> escape_data("50%\\nup")
-    '50%25%0Aup'
-    """
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-
-
-def escape_property(text: str) -> str:
-    """Escape a workflow-command property value (``title=...``): also ``:`` and ``,``.
-
-    >>> escape_property("envelope.loss_std: p95, median")
-    'envelope.loss_std%3A p95%2C median'
-    """
-    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
-
-
-def github_annotations(verdict: Optional[Verdict], result: Optional[RunResult] = None) -> list[str]:
-    """One ``::error`` line per failed check, and one when the probe (``result``) did not finish."""
-    prefix = f"healthcheck {result.name}" if result is not None else "healthcheck"
-    lines = []
-    if result is not None and result.status != "complete":
-        label, sentence, _ = verdict_headline(verdict, result.status, result.failure)
-        lines.append(f"::error title={escape_property(f'{prefix}: {label}')}::{escape_data(sentence)}")
-    for finding in verdict.failures if verdict else []:
-        title = escape_property(f"{prefix}: {finding.check}")
-        lines.append(f"::error title={title}::{escape_data(finding.message + _ranks_suffix(finding))}")
-    return lines
-
-
-def emit_annotations(
-    verdict: Optional[Verdict],
-    result: Optional[RunResult] = None,
-    *,
-    file: Optional[TextIO] = None,
-    environ: Optional[Mapping[str, str]] = None,
-) -> list[str]:
-    """On GitHub Actions (``GITHUB_ACTIONS=true``), print :func:`github_annotations`; the lines printed.
-
-    Printed raw to stdout, never through rich, which would wrap or style them and break the command.
-    """
-    env = os.environ if environ is None else environ
-    if env.get("GITHUB_ACTIONS") != "true":
-        return []
-    lines = github_annotations(verdict, result)
-    out = file or sys.stdout
-    for line in lines:
-        print(line, file=out)
-    out.flush()
-    return lines
 
 
 # --------------------------------------------------------------------------- files

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from healthcheck import report
+from healthcheck import attribution, ci_outputs, report
 from healthcheck.artifacts import STEPS_FILE, VERDICT_FILE, RunResult, read_jsonl
 from healthcheck.errors import InvalidInput
 from healthcheck.findings import ConfigChange, Finding, Verdict
@@ -80,7 +80,7 @@ def test_fail_banner_names_the_verdict_and_the_outlier_rank(runs):
 def test_pass_banner_names_no_rank_although_one_has_a_chance_z_above_3(runs):
     run = runs["pass"]
     # The healthy fixture has a rank whose window z is past 3 by chance; the persistence test must not name it.
-    assert max(abs(s.z_cosine_to_mean) for s in run.result.per_rank) >= report.STANDOUT_Z
+    assert max(abs(s.z_cosine_to_mean) for s in run.result.per_rank) >= attribution.STANDOUT_Z
     text = render(run)
     assert "PASS -- all 7 checks within their baseline envelopes" in text.splitlines()[1]
     assert not re.search(r"rank \d+ stands out", text)
@@ -89,8 +89,8 @@ def test_pass_banner_names_no_rank_although_one_has_a_chance_z_above_3(runs):
 
 def test_without_step_rows_a_rank_is_named_on_z_alone(runs):
     per_rank = runs["pass"].result.per_rank
-    assert report.find_standouts(per_rank, None) != []
-    assert report.find_standouts(per_rank, runs["pass"].steps, runs["pass"].result.window_start_step) == []
+    assert attribution.find_standouts(per_rank, None) != []
+    assert attribution.find_standouts(per_rank, runs["pass"].steps, runs["pass"].result.window_start_step) == []
 
 
 def test_no_verdict_and_incomplete_banners_and_exit_codes(runs):
@@ -210,9 +210,9 @@ def test_no_color_means_no_ansi_escapes_at_all(runs, monkeypatch):
 def test_per_rank_attribution_is_recomputed_when_the_result_has_none(runs):
     run = runs["fail"]
     bare = run.result.model_copy(update={"per_rank": []})
-    summaries = report.rank_summaries(bare, run.steps)
+    summaries = attribution.rank_summaries(bare, run.steps)
     assert [s.rank for s in summaries] == list(range(8))
-    standouts = report.find_standouts(summaries, run.steps, bare.window_start_step)
+    standouts = attribution.find_standouts(summaries, run.steps, bare.window_start_step)
     assert {s.rank for s in standouts} == {0}
     assert "rank 0 stands out: cosine_to_mean" in render(run._replace(result=bare))
 
@@ -229,9 +229,9 @@ def test_many_ranks_show_the_most_extreme_in_the_terminal(tmp_path):
 
 
 def test_sign_test_p():
-    assert report._sign_test_p(10, 10) == pytest.approx(1 / 1024)
-    assert report._sign_test_p(0, 10) == pytest.approx(1.0)
-    assert report._sign_test_p(37, 50) < report.PERSISTENCE_P < report._sign_test_p(35, 50)
+    assert attribution._sign_test_p(10, 10) == pytest.approx(1 / 1024)
+    assert attribution._sign_test_p(0, 10) == pytest.approx(1.0)
+    assert attribution._sign_test_p(37, 50) < attribution.PERSISTENCE_P < attribution._sign_test_p(35, 50)
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -289,7 +289,7 @@ def parse_junit(text: str) -> ET.Element:
 
 def test_junit_for_a_failing_verdict(runs):
     run = runs["fail"]
-    suite = parse_junit(report.render_junit(run.result, run.verdict))
+    suite = parse_junit(ci_outputs.render_junit(run.result, run.verdict))
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("8", "3", "0")
     cases = {case.get("name"): case for case in suite.findall("testcase")}
     assert set(cases) == {"probe"} | {f.check for f in run.verdict.findings}
@@ -302,14 +302,14 @@ def test_junit_for_a_failing_verdict(runs):
 
 
 def test_junit_for_a_passing_verdict(runs):
-    suite = parse_junit(report.render_junit(runs["pass"].result, runs["pass"].verdict))
+    suite = parse_junit(ci_outputs.render_junit(runs["pass"].result, runs["pass"].verdict))
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("8", "0", "0", "0")
 
 
 def test_junit_without_verdict_and_for_an_incomplete_probe(runs):
-    suite = parse_junit(report.render_junit(runs["none"].result, None))
+    suite = parse_junit(ci_outputs.render_junit(runs["none"].result, None))
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("2", "0", "1")
-    suite = parse_junit(report.render_junit(runs["incomplete"].result, None))
+    suite = parse_junit(ci_outputs.render_junit(runs["incomplete"].result, None))
     assert (suite.get("tests"), suite.get("errors")) == ("1", "1")
     error = suite.find("testcase").find("error")
     assert "rank 3 exited with code 1 at step 36" in error.get("message")
@@ -320,7 +320,7 @@ def test_junit_survives_hostile_text(runs):
     verdict = runs["fail"].verdict
     message = 'loss <"& \' > \x00\x1b[31m\nline two'
     hostile = verdict.model_copy(update={"findings": [verdict.findings[0].model_copy(update={"message": message})]})
-    suite = parse_junit(report.render_junit(runs["fail"].result, hostile))
+    suite = parse_junit(ci_outputs.render_junit(runs["fail"].result, hostile))
     failure = suite.find("testcase[@name='envelope.cosine_mean']/failure")
     assert failure.get("message").startswith('loss <"& \' > ??[31m\nline two')
 
@@ -337,14 +337,14 @@ def _unescape_property(text: str) -> str:
 
 
 def test_workflow_command_escaping():
-    assert report.escape_data("100% up\r\nnext: a, b") == "100%25 up%0D%0Anext: a, b"
-    assert report.escape_property("100% up\r\nnext: a, b") == "100%25 up%0D%0Anext%3A a%2C b"
-    assert report.escape_data("%0A") == "%250A"  # a literal escape sequence stays literal
+    assert ci_outputs.escape_data("100% up\r\nnext: a, b") == "100%25 up%0D%0Anext: a, b"
+    assert ci_outputs.escape_property("100% up\r\nnext: a, b") == "100%25 up%0D%0Anext%3A a%2C b"
+    assert ci_outputs.escape_data("%0A") == "%250A"  # a literal escape sequence stays literal
 
 
 @given(st.text())
 def test_escaping_round_trips_and_leaves_no_delimiters(text):
-    data, prop = report.escape_data(text), report.escape_property(text)
+    data, prop = ci_outputs.escape_data(text), ci_outputs.escape_property(text)
     assert _unescape_data(data) == text and _unescape_property(prop) == text
     assert not set("\r\n") & set(data)
     assert not set("\r\n:,") & set(prop)
@@ -353,29 +353,29 @@ def test_escaping_round_trips_and_leaves_no_delimiters(text):
 
 def test_annotations_one_error_per_failed_check(runs):
     run = runs["fail"]
-    lines = report.github_annotations(run.verdict, run.result)
+    lines = ci_outputs.github_annotations(run.verdict, run.result)
     assert len(lines) == len(run.verdict.failures) == 3
     assert lines[0] == (
         "::error title=healthcheck s1-2-probe%3A envelope.cosine_mean::"
         "cosine_mean median 0.3525 is outside the baseline envelope [0.39, 0.46] (rank 0)"
     )
-    assert report.github_annotations(runs["pass"].verdict, runs["pass"].result) == []
-    (incomplete,) = report.github_annotations(None, runs["incomplete"].result)
+    assert ci_outputs.github_annotations(runs["pass"].verdict, runs["pass"].result) == []
+    (incomplete,) = ci_outputs.github_annotations(None, runs["incomplete"].result)
     assert incomplete.startswith("::error title=healthcheck s1-2-probe%3A INCOMPLETE::probe did not finish")
 
 
 def test_annotation_message_with_newlines_stays_one_line(runs):
     finding = runs["fail"].verdict.failures[0].model_copy(update={"message": "up 50%\nsee: log, plots"})
-    (line,) = report.github_annotations(runs["fail"].verdict.model_copy(update={"findings": [finding]}))
+    (line,) = ci_outputs.github_annotations(runs["fail"].verdict.model_copy(update={"findings": [finding]}))
     assert line == f"::error title=healthcheck%3A {finding.check}::up 50%25%0Asee: log, plots (rank 0)"
 
 
 def test_annotations_print_only_on_github_actions(runs):
     run = runs["fail"]
     stream = io.StringIO()
-    assert report.emit_annotations(run.verdict, run.result, file=stream, environ={}) == []
+    assert ci_outputs.emit_annotations(run.verdict, run.result, file=stream, environ={}) == []
     assert stream.getvalue() == ""
-    printed = report.emit_annotations(run.verdict, run.result, file=stream, environ={"GITHUB_ACTIONS": "true"})
+    printed = ci_outputs.emit_annotations(run.verdict, run.result, file=stream, environ={"GITHUB_ACTIONS": "true"})
     assert stream.getvalue().splitlines() == printed and len(printed) == 3
 
 
