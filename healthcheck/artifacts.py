@@ -45,6 +45,7 @@ class RankInfo(_Model):
     rank: int = Field(description="Global rank.")
     local_rank: int = Field(description="Rank within its node.")
     node: str = Field(description="Hostname of the rank's node.")
+    node_rank: int = Field(0, description="The launcher agent (node) that started this rank: torchrun's GROUP_RANK.")
     device: str = Field(description="torch device string, e.g. cpu or cuda:3.")
     device_name: str = Field(description="Human device name (GPU model or CPU).")
     seed: int = Field(description="Seed given to python, numpy and torch on this rank.")
@@ -68,7 +69,7 @@ class Environment(_Model):
     device_type: str = Field(description="cpu, cuda or npu.")
     backend: str = Field(description="Process-group backend.")
     world_size: int
-    nnodes: int = Field(description="Distinct nodes among the ranks.")
+    nnodes: int = Field(description="Launcher agents (nodes) among the ranks, by node_rank.")
     ranks: list[RankInfo] = Field(default_factory=list)
 
 

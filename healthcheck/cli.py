@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="print the fully resolved config as YAML (re-usable with --config)")
     _add_config_args(show)
     config_commands.add_parser("schema", help="print the config's JSON Schema (for editor autocompletion)")
+    check = config_commands.add_parser(
+        "check", help="validate the config and its inputs (model dir, data files, presets) without running anything"
+    )
+    _add_config_args(check)
 
     baseline = commands.add_parser("baseline", help="record, update or show a baseline")
     baseline_commands = baseline.add_subparsers(dest="baseline_command", required=True, metavar="ACTION")
@@ -115,6 +119,12 @@ def cmd_config(args) -> int:
 
     if args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))
+    elif args.config_command == "check":
+        from healthcheck.probe import preflight
+
+        config = load_config(args.config, args.sets)
+        preflight(config)
+        print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers, fingerprint {config.fingerprint()}")
     else:
         print(dump_yaml(load_config(args.config, args.sets)), end="")
     return int(ExitCode.PASS)

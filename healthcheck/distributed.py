@@ -36,6 +36,7 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    node_rank: int = 0  #: torchrun's GROUP_RANK: which agent (node) started this worker
     node: str = dataclasses.field(default_factory=socket.gethostname)
 
 
@@ -52,6 +53,7 @@ def get_dist_info() -> DistInfo:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=world_size,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
     )
 
 

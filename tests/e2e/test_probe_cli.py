@@ -104,6 +104,8 @@ def test_real_gsm8k_with_truncation_stays_finite(tmp_path):
         (["--set", "distributed.nproc=1"], "distributed.nproc: must be >= 2"),
         (["--set", "rank_overrides={8: {train: {lr: 0.1}}}"], "rank_overrides: rank 8 is outside the world"),
         (["--config", "/no/such/probe.yaml"], "config file not found"),
+        # Only a worker can find this out; it is still bad input (exit 2), not a crash (exit 3).
+        (["--set", "distributed.device=npu", "--set", "distributed.nproc=2"], "distributed.device: 'npu' needs torch_npu"),
     ],
 )
 def test_bad_input_exits_2_in_one_line(tmp_path, args, expected):
@@ -122,6 +124,13 @@ def test_unwritable_out_dir_exits_2(tmp_path):
     assert done.returncode == 2
     assert "--out" in done.stderr and "not writable" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_config_check_runs_the_preflight_without_launching(tmp_path):
+    ok = run_cli("config", "check", timeout=60)
+    assert ok.returncode == 0 and "config OK: probe 'default', 8 workers" in ok.stdout
+    bad = run_cli("config", "check", "--set", "data.source=json", "--set", "data.path=/no/such.json", timeout=60)
+    assert bad.returncode == 2 and "data.path: file not found: /no/such.json" in bad.stderr
 
 
 def test_config_show_round_trips_through_the_cli(tmp_path):

@@ -1,0 +1,164 @@
+"""HealthcheckCallback inside a real ``transformers.Trainer`` DDP run: 2 CPU/gloo ranks, tiny GPT-2.
+
+Workers are module-level functions launched like torchrun through
+``healthcheck.distributed.launch_local``; the Trainer builds its own process group (accelerate) and
+DDP wrapper from the launcher's environment, exactly as under torchrun.
+
+    python -m pytest tests/multiprocess/test_integrations.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from healthcheck import distributed
+from healthcheck.baseline import Baseline, Envelope, save_baseline
+from healthcheck.errors import BaselineError
+from healthcheck.integrations import EnvelopeCheck, envelope_checks
+
+SEQ_LEN = 24
+BATCH = 2
+GRAD_ACCUM = 2
+MAX_STEPS = 6
+LOSS_TOKENS_PER_STEP = BATCH * GRAD_ACCUM * (SEQ_LEN - 1)  # no padding: every shifted label counts
+
+
+def _dataset(rank_count: int = 64):
+    """Fixed-length causal-LM rows (labels = input_ids) from the built-in synthetic alpaca data."""
+    from healthcheck.data import synthetic_rows
+    from healthcheck.modeling import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    rows = []
+    for row in synthetic_rows(rank_count, seed=1):
+        text = f"{row['instruction']} {row['input']} {row['output']} " * 4
+        ids = tokenizer(text)["input_ids"][:SEQ_LEN]
+        rows.append({"input_ids": ids, "attention_mask": [1] * SEQ_LEN, "labels": list(ids)})
+    return tokenizer, rows
+
+
+def _collate(rows):
+    import torch
+
+    return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+
+
+def trainer_worker(output_dir: str, options: dict) -> dict:
+    """Train MAX_STEPS steps with the callback; return what the test asserts on, from every rank."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from healthcheck.integrations import HealthcheckCallback
+    from healthcheck.modeling import PRESETS
+
+    tokenizer, rows = _dataset()
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=MAX_STEPS,
+        per_device_train_batch_size=BATCH, gradient_accumulation_steps=GRAD_ACCUM, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )
+    model = AutoModelForCausalLM.from_config(PRESETS["tiny-gpt2"][1](len(tokenizer), SEQ_LEN))
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=_collate)
+    callback = HealthcheckCallback.attach(trainer, sketch_dim=256, **options)
+    trainer.train()
+    return {
+        "log_history": trainer.state.log_history,
+        "global_step": trainer.state.global_step,
+        "violations": callback.violations,
+        "stopped_at_step": callback.stopped_at_step,
+        "compute_loss_restored": "compute_loss" not in vars(trainer),
+    }
+
+
+def _healthcheck_rows(log_history):
+    return [row for row in log_history if "healthcheck/loss_std" in row]
+
+
+@pytest.mark.multiprocess
+def test_callback_logs_consistency_metrics_through_the_trainer(tmp_path):
+    out = distributed.launch_local(trainer_worker, 2, (str(tmp_path), {}), run_id="hc-callback-log")
+    first, second = out[0], out[1]
+    rows = _healthcheck_rows(first["log_history"])
+    assert first["global_step"] == MAX_STEPS
+    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+    for row in rows:
+        # Untrained byte-level GPT-2 over a 258-token vocabulary: loss near ln(258) = 5.55.
+        assert 4.0 < row["healthcheck/loss_mean"] < 7.0
+        assert 0.0 < row["healthcheck/loss_std"] < 1.0
+        assert row["healthcheck/loss_range"] == pytest.approx(2 * row["healthcheck/loss_std"], rel=1e-6)  # two ranks
+        assert -1.0 <= row["healthcheck/cosine_mean"] < 1.0
+        assert row["healthcheck/grad_norm_cv"] >= 0.0
+        assert row["healthcheck/mean_grad_norm"] > 0.0
+        # Both accumulated micro-batches of both ranks count: the metrics follow the last micro-step.
+        assert row["healthcheck/tokens_total"] == 2 * LOSS_TOKENS_PER_STEP
+    trainer_rows = [row for row in first["log_history"] if "grad_norm" in row]
+    assert [row["step"] for row in trainer_rows] == [row["step"] for row in rows]  # its own log lines survive
+    for ours, theirs in zip(rows, trainer_rows):
+        # The Trainer's pre-clipping norm of the averaged gradient is the monitor's ||mean g||: measured
+        # on the accumulated, all-reduced gradient of the same step.
+        assert ours["healthcheck/mean_grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        # Its loss divides by labels incl. position 0 for GPT-2 (loss_type None), i.e. 24 per row
+        # instead of the 23 the shifted loss uses; ours is the exact per-token mean.
+        assert ours["healthcheck/loss_mean"] == pytest.approx(theirs["loss"], rel=0.06)
+    assert _healthcheck_rows(second["log_history"]) == rows
+    assert first["violations"] == [] and first["compute_loss_restored"]
+
+
+@pytest.mark.multiprocess
+def test_stop_on_violation_stops_every_rank_early(tmp_path):
+    # A mean pairwise cosine is at most 1, so an envelope above 1 must be violated.
+    options = {
+        "envelopes": {"cosine_mean": (1.5, 2.0)}, "stop_on_violation": True,
+        "warmup_steps": 1, "window_steps": 3, "min_window_steps": 2,
+    }
+    out = distributed.launch_local(trainer_worker, 2, (str(tmp_path), options), run_id="hc-callback-stop")
+    # Steps 0 (warmup) and 1, 2 fill the window; the check fails at the end of step index 2.
+    for rank in (0, 1):
+        assert out[rank]["global_step"] == 3 < MAX_STEPS
+        assert out[rank]["stopped_at_step"] == 3
+        assert "cosine_mean median" in out[rank]["violations"][0] and "below its envelope" in out[rank]["violations"][0]
+    flagged = [row for row in out[0]["log_history"] if "healthcheck/violations" in row]
+    assert [row["step"] for row in flagged] == [3]
+    assert math.isfinite(flagged[0]["healthcheck/cosine_mean"])
+
+
+# --------------------------------------------------------------------------- envelopes (no processes)
+
+
+def _baseline() -> Baseline:
+    return Baseline(
+        name="job", created_at="2026-01-01T00:00:00Z", approved_by="ci", reason="test", healthcheck_version="0.1.0",
+        torch_version="2", transformers_version="5", device_type="cpu", world_size=2, config={}, config_fingerprint="f",
+        runs=[], envelopes={
+            "loss_range": Envelope(statistic="p95", center=0.1, lower=0.05, upper=0.2),
+            "cosine_mean": Envelope(statistic="median", center=0.8, lower=0.7, upper=0.9),
+        },
+    )
+
+
+def test_envelopes_from_a_baseline_file_keep_each_statistic(tmp_path):
+    save_baseline(_baseline(), tmp_path / "job.json")
+    checks = envelope_checks(str(tmp_path / "job.json"))
+    assert checks == [EnvelopeCheck("loss_range", "p95", 0.05, 0.2), EnvelopeCheck("cosine_mean", "median", 0.7, 0.9)]
+    assert envelope_checks(_baseline()) == checks
+
+
+def test_a_missing_baseline_file_is_a_baseline_error(tmp_path):
+    with pytest.raises(BaselineError, match="no baseline found"):
+        envelope_checks(tmp_path / "missing.json")
+
+
+def test_plain_bounds_are_judged_on_the_median_and_validated():
+    assert envelope_checks({"grad_norm_cv": (0.0, 0.3)}) == [EnvelopeCheck("grad_norm_cv", "median", 0.0, 0.3)]
+    with pytest.raises(ValueError, match="unknown metric 'grad_cv'"):
+        envelope_checks({"grad_cv": (0.0, 0.3)})
+    with pytest.raises(ValueError, match="lower 0.5 is above upper 0.1"):
+        envelope_checks({"loss_std": (0.5, 0.1)})
+
+
+def test_a_check_judges_its_statistic_over_the_window():
+    spikes = [0.1] * 18 + [5.0] * 2  # one step in ten far off: the median hides it, the p95 does not
+    assert EnvelopeCheck("loss_range", "median", 0.0, 1.0).fails(spikes) is None
+    assert "p95" in EnvelopeCheck("loss_range", "p95", 0.0, 1.0).fails(spikes)
+    assert EnvelopeCheck("loss_range", "p95", 0.0, 1.0).fails([None, float("nan")]) is None

@@ -1,0 +1,127 @@
+"""Two torchrun agents on one machine form one 8-rank probe, as two nodes of a cluster would.
+
+Each agent is started the way a SLURM or Kubernetes template starts one per node::
+
+    python -m torch.distributed.run --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d \\
+        --rdzv_endpoint localhost:PORT --rdzv_id ID -m healthcheck probe --no-judge --out DIR ...
+
+Both write to the same ``--out`` (only global rank 0 writes). The agents run in their own process
+groups, which are killed in a ``finally`` whatever happens.
+
+    python -m pytest tests/multiprocess/test_multinode.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from healthcheck.artifacts import STEPS_FILE, load_result
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+NNODES, NPROC_PER_NODE, STEPS = 2, 4, 3
+AGENTS = ("a", "b")
+PROBE_ARGS = [
+    "--no-judge", "--set", f"train.steps={STEPS}", "--set", "metrics.warmup_steps=1",
+    # Start-up dominates on 2 cores: a small data set keeps each of the 8 workers' tokenizing short.
+    "--set", "data.synthetic_samples=64", "--set", "train.micro_batch_size=2",
+]
+# Carried into RankInfo.env (the audit records TORCH_* variables), so each rank says which agent started it.
+AGENT_VARIABLE = "TORCH_HEALTHCHECK_TEST_AGENT"
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "TORCHELASTIC_RUN_ID", "GITHUB_STEP_SUMMARY", "GITHUB_ACTIONS")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def agent_command(port: int, run_id: str, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--nproc_per_node", str(NPROC_PER_NODE),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", run_id,
+        "-m", "healthcheck", "probe", "--out", str(out), *PROBE_ARGS,
+    ]
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGTERM the agent's whole process group (agent and its workers), then SIGKILL what is left."""
+    for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tuple[int, str]]:
+    port, run_id = free_port(), f"hc-multinode-{uuid.uuid4().hex[:8]}"
+    base_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    base_env.update(NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    agents: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for name in AGENTS:
+                log = logs.enter_context(open(tmp_path / f"agent-{name}.log", "w"))
+                agents.append(subprocess.Popen(
+                    agent_command(port, run_id, out), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                    env={**base_env, AGENT_VARIABLE: name}, start_new_session=True,
+                ))
+            deadline = time.monotonic() + timeout_s
+            for process in agents:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for process in agents:
+                kill_group(process)
+                process.wait()
+    return [(process.returncode, (tmp_path / f"agent-{name}.log").read_text()) for process, name in zip(agents, AGENTS)]
+
+
+def test_two_agents_form_one_eight_rank_probe(tmp_path):
+    out = tmp_path / "run"
+    agents = run_agents(tmp_path, out)
+    for returncode, log in agents:
+        assert returncode == 0, log[-3000:]
+
+    result = load_result(out)  # validates result.json against RunResult
+    assert result.status == "complete" and result.failure is None
+    assert result.steps_completed == STEPS
+    env = result.environment
+    assert env.world_size == NNODES * NPROC_PER_NODE == len(env.ranks)
+    ranks = sorted(env.ranks, key=lambda info: info.rank)
+    assert [info.rank for info in ranks] == list(range(8))
+    assert [info.local_rank for info in ranks] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert {info.node for info in ranks} == {socket.gethostname()}
+    # Each agent ("node") ran one contiguous block of global ranks with local ranks 0-3.
+    by_agent: dict[str, list[tuple[int, int]]] = {}
+    for info in ranks:
+        by_agent.setdefault(info.env[AGENT_VARIABLE], []).append((info.rank, info.local_rank))
+    assert sorted(by_agent) == ["a", "b"]
+    for block in by_agent.values():
+        assert [local for _, local in block] == [0, 1, 2, 3]
+        assert [rank for rank, _ in block] in ([0, 1, 2, 3], [4, 5, 6, 7])
+
+    rows = [json.loads(line) for line in (out / STEPS_FILE).read_text().splitlines() if line.strip()]
+    assert len(rows) == STEPS * 8
+    assert sorted((row["step"], row["rank"]) for row in rows) == [(s, r) for s in range(STEPS) for r in range(8)]
+    assert all(row["loss"] is not None and row["grad_norm"] > 0 for row in rows)
+    assert result.summary["cosine_mean"].n == STEPS - 1  # the window starts after one warmup step
