@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
+from healthcheck.metrics import json_safe
 
 RESULT_SCHEMA_VERSION = 1
 
@@ -107,6 +107,23 @@ class RankSummary(_Model):
     z_compute_ms: Optional[float] = None
 
 
+class Standout(_Model):
+    """One rank persistently off the others on one per-rank quantity (see ``attribution.find_standouts``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    metric: str = Field(description="loss, grad_norm, cosine_to_mean or compute_ms.")
+    z: float = Field(description="Leave-one-out z-score of the rank's window mean against the other ranks.")
+    same_side_steps: int = Field(description="Window steps in which the rank was off the same way.")
+    window_steps: int = Field(description="Window steps compared.")
+
+    def phrase(self) -> str:
+        side = "higher" if self.z > 0 else "lower"
+        evidence = f" ({side} in {self.same_side_steps}/{self.window_steps} steps)" if self.window_steps else ""
+        return f"{self.metric} z={self.z:+.1f}{evidence}"
+
+
 class NonFiniteEvent(_Model):
     rank: int
     step: int
@@ -132,6 +149,9 @@ class RunResult(_Model):
     window_steps: int = Field(0, description="Sampled steps inside the window.")
     summary: dict[str, MetricSummary] = Field(default_factory=dict, description="Per metric, over the window.")
     per_rank: list[RankSummary] = Field(default_factory=list)
+    standouts: list[Standout] = Field(
+        default_factory=list, description="Ranks persistently off the others (|z| >= 3 and a sign test over the window)."
+    )
     nonfinite: list[NonFiniteEvent] = Field(default_factory=list, description="First non-finite event per rank.")
     audits: dict[str, Any] = Field(default_factory=dict, description="Exact audit results, by audit name.")
 
@@ -202,17 +222,6 @@ def load_result(run_dir: Path) -> RunResult:
         raise InvalidInput(f"{path}: {loc}: {err['msg']}") from None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read ({exc.strerror or exc})") from None
-
-
-def json_safe(value: Any) -> Any:
-    """Replace NaN/Inf (not valid JSON) by None, recursively."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 class JsonlWriter:

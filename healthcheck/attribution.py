@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from healthcheck.artifacts import RankSummary, RunResult
+from healthcheck.artifacts import RankSummary, RunResult, Standout
 from healthcheck.summary import RANK_FIELDS
 
 #: Per-rank quantities the attribution compares, as named in ``steps.jsonl`` and ``RankSummary``.
@@ -24,22 +23,6 @@ ATTRIBUTION_METRICS = RANK_FIELDS
 #: almost every step, a chance z is not: with the sign test, ~1.7% of healthy runs name a rank.
 STANDOUT_Z = 3.0
 PERSISTENCE_P = 1e-3
-
-
-@dataclass(frozen=True)
-class Standout:
-    """One rank persistently off the others on one metric."""
-
-    rank: int
-    metric: str
-    z: float
-    same_side_steps: int
-    window_steps: int
-
-    def phrase(self) -> str:
-        side = "higher" if self.z > 0 else "lower"
-        evidence = f" ({side} in {self.same_side_steps}/{self.window_steps} steps)" if self.window_steps else ""
-        return f"{self.metric} z={self.z:+.1f}{evidence}"
 
 
 def _window_rows(steps: Iterable[Mapping[str, Any]], start_step: int) -> list[Mapping[str, Any]]:
@@ -94,7 +77,7 @@ def find_standouts(
             same, total = _same_side_steps(by_step, summary.rank, above=z > 0)
             if total and _sign_test_p(same, total) > p_threshold:
                 continue
-            found.append(Standout(summary.rank, metric, z, same, total))
+            found.append(Standout(rank=summary.rank, metric=metric, z=z, same_side_steps=same, window_steps=total))
     return sorted(found, key=lambda s: (s.rank, -abs(s.z)))
 
 

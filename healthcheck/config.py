@@ -160,6 +160,38 @@ class MetricsConfig(_Section):
         "sketch", description="Pairwise cosine: exact Gram matrix, or a count-sketch of sketch_dim dims."
     )
     sketch_dim: int = Field(4096, ge=16, le=1 << 20, description="Sketch dimension k for direction=sketch.")
+    param_check_every: int = Field(
+        10, ge=1, description="Hash every rank's parameters bit for bit after every k-th optimizer step (from step 0) "
+        "and after the last one, and compare them (the param_equality audit)."
+    )
+    reduction_check_every: int = Field(
+        10, ge=0, description="Compare the all-reduced gradient with a float64 mean of the gathered local gradients "
+        "every k-th step (0: never); a multiple of `every`. Costs one chunked gather of the gradients per check."
+    )
+    straggler_factor: float = Field(
+        1.03, gt=1, description="A rank is a straggler when the median, over steps, of its compute time divided by the "
+        "other ranks' median is at least this, and it is persistently slower (straggler_max_p). 1.03 suits the CPU "
+        "probe on shared cores; on GPUs, whose clocks differ by a few percent, 1.1 avoids flagging healthy devices."
+    )
+    straggler_max_p: float = Field(
+        1e-3, gt=0, lt=1, description="Persistence: a straggler must be slower than the other ranks' median in so many "
+        "steps that a rank no slower than the others does that with probability <= this (one-sided sign test)."
+    )
+
+    rank_outlier_max_p: float = Field(
+        1e-6, gt=0, lt=1, description="The rank_outliers audit names a rank that holds the highest or lowest loss, "
+        "gradient norm, cosine to the mean or token count in so many steps that ranks reading shards of one dataset "
+        "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms."
+    )
+
+    @model_validator(mode="after")
+    def _reduction_on_sampled_steps(self) -> "MetricsConfig":
+        # The reduction check rides on the monitor's per-step gather, which runs on sampled steps only.
+        if self.reduction_check_every % self.every:
+            raise ValueError(
+                f"reduction_check_every: must be 0 or a multiple of every ({self.every}), got {self.reduction_check_every}"
+            )
+        return self
 
 
 class FaultConfig(_Section):

@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 
 from healthcheck.artifacts import RunResult
 from healthcheck.metrics import window_summary
+from healthcheck.records import aggregate_row
 from healthcheck.summary import METRICS
 
 log = logging.getLogger(__name__)
@@ -192,18 +193,13 @@ def envelope_checks(envelopes: Any) -> list[EnvelopeCheck]:
 
 def step_aggregates(metrics) -> dict[str, float]:
     """The per-step values of :data:`healthcheck.summary.METRICS` (the names baselines use), finite only."""
-    data = metrics.to_dict()
-    losses = [v for v in data["per_rank_loss"] if v is not None]
-    to_mean = [v for v in data["cosine_to_mean"] if v is not None]
-    tokens = data["per_rank_tokens"]
-    row = {
-        "loss_mean": sum(losses) / len(losses) if losses else None,
-        "cosine_to_mean_min": min(to_mean) if to_mean else None,
-        "mean_grad_norm": data["mean_grad_norm"],
-        "tokens_total": float(sum(tokens)) if tokens else None,
-        **{name: data.get(name) for name in METRICS if name not in ("loss_mean", "cosine_to_mean_min")},
+    row = aggregate_row(0, metrics.to_dict())
+    wanted = set(METRICS) | {"mean_grad_norm", "tokens_total"}
+    return {
+        name: float(value)
+        for name, value in row.items()
+        if name in wanted and isinstance(value, (int, float)) and math.isfinite(value)
     }
-    return {name: float(value) for name, value in row.items() if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 # --------------------------------------------------------------------------- live runs: the callback

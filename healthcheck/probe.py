@@ -74,7 +74,8 @@ def warm_parent_caches(config: ProbeConfig) -> None:
 def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResult | None, Path]:
     """Run the probe and return ``(result, run_dir)``; ``result`` is None on non-zero ranks under torchrun.
 
-    Raises :class:`ProbeFailed` (exit 3) after writing a result marked incomplete or interrupted.
+    A crash, hang or interrupt still returns: the result is marked incomplete or interrupted, names
+    the rank and step, and keeps every row written so far. The gate turns it into exit 3.
     """
     started_wall = time.time()
     started_at = utc_now()
@@ -97,13 +98,14 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
     except ProbeFailed as exc:
         failure = watchdog.fired or describe_failure(run_dir, exc.message, exc.signals)
         result = _result(config, started_at, started_wall, None, "incomplete", failure, run_dir)
-        write_result(run_dir, result)
-        raise ProbeFailed(f"{result.failure}; partial artifacts in {run_dir}") from None
+        bad_input = input_error_in_workers(run_dir)
+        if bad_input and not watchdog.fired:
+            write_result(run_dir, result)
+            raise InvalidInput(bad_input)
     except KeyboardInterrupt:
-        result = _result(config, started_at, started_wall, None, "interrupted", "interrupted by the user", run_dir)
-        write_result(run_dir, result)
-        raise ProbeFailed(f"probe interrupted; partial artifacts in {run_dir}") from None
-    result = _result(config, started_at, started_wall, payloads.get(0), "complete", None, run_dir)
+        result = _result(config, started_at, started_wall, None, "interrupted", "interrupted by a signal or Ctrl-C", run_dir)
+    else:
+        result = _result(config, started_at, started_wall, payloads.get(0), "complete", None, run_dir)
     write_result(run_dir, result)
     return result, run_dir
 
@@ -135,31 +137,73 @@ def _run_as_worker(config, run_dir, started_wall, started_at):
     return result, run_path
 
 
-def describe_failure(run_dir: Path, launcher_message: str, signals: dict[int, int] | None = None) -> str:
-    """Name the rank and step that died.
+#: Errors a rank raises because a *peer* went away: symptoms, not the cause.
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+    "remote process exited", "NCCL communicator was aborted", "Socket Timeout", "Timed out",
+)
 
-    A rank killed by a signal leaves no report of its own, and its peers then fail on broken
-    collectives, so a signal death seen by the launcher comes first (its step from the rank's
-    heartbeat). Otherwise the earliest worker error report is the cause: the later ones are peers
-    failing on the collective the first one abandoned.
+
+def describe_failure(run_dir: Path, launcher_message: str, signals: dict[int, int] | None = None) -> str:
+    """Name the rank and step that died, not the peers that failed because of it.
+
+    In order: a rank the launcher saw die by a signal; the earliest report that is not a peer
+    failure; a rank that left no report while its peers report broken connections (killed by a
+    signal or the OOM killer before the launcher noticed); the launcher's own view.
     """
     beats = {beat.rank: beat for beat in read_beats(run_dir)}
-    for rank, signum in sorted((signals or {}).items()):
+
+    def where(rank: int) -> str:
         beat = beats.get(rank)
-        where = f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else "during start-up"
-        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where}"
+        return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else "during start-up"
+
+    for rank, signum in sorted((signals or {}).items()):
+        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}"
+    reports = read_error_reports(run_dir)
+    causes = [r for r in reports if not any(marker in r["reason"] for marker in PEER_FAILURE_MARKERS)]
+    if causes:
+        first = min(causes, key=lambda r: r["time"])
+        at = f"at step {first['step']}" if first["step"] is not None else "during start-up"
+        return f"rank {first['rank']} failed {at}: {first['reason']}"
+    silent = sorted(set(beats) - {r["rank"] for r in reports})
+    if reports and silent:
+        ranks = ", ".join(map(str, silent))
+        peers = ", ".join(str(r["rank"]) for r in sorted(reports, key=lambda r: r["rank"]))
+        return (
+            f"rank {ranks} died without an error report {where(silent[0])} (killed by a signal or the OOM killer?); "
+            f"rank {peers} then lost the connection to it"
+        )
+    if reports:
+        first = min(reports, key=lambda r: r["time"])
+        return f"rank {first['rank']} failed at step {first['step']}: {first['reason']}"
+    last = summarize_run(run_dir, 0)["last_step"]
+    return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+
+
+def read_error_reports(run_dir: Path) -> list[dict]:
+    """The ``errors/rank-<r>.json`` reports that failing workers left (see ``trainer.record_worker_failure``)."""
     reports = []
     for path in (run_dir / "errors").glob("rank-*.json"):
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
-    if reports:
-        first = min(reports, key=lambda r: r["time"])
-        where = f"at step {first['step']}" if first["step"] is not None else "during start-up"
-        return f"rank {first['rank']} failed {where}: {first['reason']}"
-    last = summarize_run(run_dir, 0)["last_step"]
-    return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+    return reports
+
+
+def input_error_in_workers(run_dir: Path) -> str | None:
+    """The reason, when the first failing worker rejected its input (exit 2, not a crash).
+
+    Some inputs can only be checked where the worker runs (a device that this node lacks, a
+    dataset that does not tokenize); those are bad input, not a probe that could not finish.
+    """
+    reports = read_error_reports(run_dir)
+    if not reports:
+        return None
+    first = min(reports, key=lambda r: r["time"])
+    if first.get("exit_code") != 2:
+        return None
+    return first["reason"].split(": ", 1)[-1]
 
 
 def _signal_name(signum: int) -> str:
@@ -181,7 +225,7 @@ def _environment(payload: dict[str, Any]) -> Environment:
         device_type=payload["device_type"],
         backend=payload["backend"],
         world_size=payload["world_size"],
-        nnodes=len({r.node for r in ranks}) or 1,
+        nnodes=len({(r.node, r.node_rank) for r in ranks}) or 1,
         ranks=ranks,
     )
 
@@ -216,5 +260,16 @@ def _result(config, started_at, started_wall, payload, status, failure, run_dir:
         window_steps=summary["window_steps"],
         summary=summary["summary"],
         per_rank=summary["per_rank"],
+        standouts=summary["standouts"],
         nonfinite=summary["nonfinite"],
+        audits=_audits(config, payload, run_dir, summary["nonfinite"]),
     )
+
+
+def _audits(config, payload, run_dir: Path, nonfinite) -> dict[str, Any]:
+    """The exact audits, for a probe whose workers finished (they need rank 0's gathered evidence)."""
+    if not payload:
+        return {}
+    from healthcheck.audits import run_audits
+
+    return run_audits(config, payload, run_dir, nonfinite)

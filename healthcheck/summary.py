@@ -26,6 +26,8 @@ METRICS: dict[str, str] = {
     "cosine_to_mean_min": "lowest cosine of a rank's local gradient to the averaged gradient",
     "gradient_diversity": "sum of squared local norms over squared norm of the sum (Yin et al.)",
     "noise_scale": "simple gradient noise scale B_simple (McCandlish et al.), per step",
+    "reduction_rel_error": "relative L2 error of the all-reduced mean gradient against a float64 mean of the "
+    "gathered local gradients, worst rank (reduction-check steps only)",
 }
 
 #: Window-level metrics that are not per-step statistics.
@@ -119,11 +121,15 @@ def summarize_run(run_dir: Path, window_start: int) -> dict[str, Any]:
     """Everything ``result.json`` needs from the step files (works on a crashed run's partial files too)."""
     aggregates = list(read_jsonl(run_dir / AGGREGATES_FILE))
     rows = list(read_jsonl(run_dir / STEPS_FILE))
+    from healthcheck.attribution import find_standouts  # it builds on this module's z-scores
+
     summary, window_steps = summarize_metrics(aggregates, window_start)
+    per_rank = summarize_ranks(rows, window_start)
     return {
         "summary": summary,
         "window_steps": window_steps,
-        "per_rank": summarize_ranks(rows, window_start),
+        "per_rank": per_rank,
+        "standouts": find_standouts(per_rank, rows, window_start),
         "nonfinite": first_nonfinite(aggregates, rows),
         "last_step": max((row["step"] for row in aggregates), default=-1),
     }

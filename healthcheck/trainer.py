@@ -18,13 +18,15 @@ from typing import Any
 
 from healthcheck import distributed as hdist
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, JsonlWriter, RankInfo
+from healthcheck.audits import AuditRecorder
 from healthcheck.config import ProbeConfig, resolve_for_rank
-from healthcheck.data import IGNORE_INDEX, MicroBatches, prepare_samples, shard_plan
+from healthcheck.data import IGNORE_INDEX, MicroBatches, load_rows, prepare_samples, shard_plan
 from healthcheck.errors import InvalidInput
 from healthcheck.faults import at_step_start as faults_at_step_start
 from healthcheck.faults import install_faults
 from healthcheck.modeling import build_model, load_tokenizer
 from healthcheck.progress import StepProgress
+from healthcheck.records import aggregate_row, rank_rows
 from healthcheck.watchdog import Heartbeat
 
 
@@ -58,6 +60,8 @@ def versions() -> dict[str, str]:
     if torch.version.cuda:
         out["cuda"] = str(torch.version.cuda)
     out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
+    out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
+    out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
     return out
 
 
@@ -79,7 +83,6 @@ def _sync(device) -> None:
 
 def micro_step_loss(ddp_model, batch: dict[str, Any], device, precision: str):
     """Summed token cross-entropy of one micro-batch (the caller normalises by the step's tokens)."""
-    import torch
     import torch.nn.functional as F
 
     input_ids = batch["input_ids"].to(device, non_blocking=True)
@@ -117,7 +120,9 @@ def record_worker_failure(run_dir: Path, rank: int, step: int | None, exc: BaseE
         folder = run_dir / "errors"
         folder.mkdir(exist_ok=True)
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
-        (folder / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "step": step, "reason": reason, "time": time.time()}))
+        report = {"rank": rank, "step": step, "reason": reason, "time": time.time(),
+                  "exit_code": int(getattr(exc, "exit_code", 3))}  # InvalidInput keeps its exit 2
+        (folder / f"rank-{rank}.json").write_text(json.dumps(report))
         (folder / f"rank-{rank}.traceback.txt").write_text("".join(traceback.format_exception(exc)))
     except OSError:
         pass  # the launcher still reports the exit code
@@ -160,7 +165,7 @@ def _probe_worker(
         # config, never from this rank's (possibly perturbed) seed.
         monitor = WorkerConsistencyMonitor(
             ddp, direction=config.metrics.direction, sketch_dim=config.metrics.sketch_dim,
-            every=config.metrics.every, seed=config.train.seed,
+            every=config.metrics.every, seed=config.train.seed, reduction_every=config.metrics.reduction_check_every,
         )
         install_faults(model, mine.faults)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=mine.train.lr, weight_decay=mine.train.weight_decay)
@@ -169,20 +174,28 @@ def _probe_worker(
         batches = MicroBatches(samples, plan, mine.train, tokenizer.pad_token_id)
 
         rank_info = RankInfo(
-            rank=info.rank, local_rank=info.local_rank, node=info.node, device=str(device),
+            rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
             device_name=hdist.device_name(device), seed=mine.train.seed, sampler_seed=plan.seed,
             sampler_rank=plan.rank, sampler_replicas=plan.replicas, precision=mine.train.precision,
             versions=versions(), env=hdist.rank_environment(), **seeds,
         )
         all_ranks = hdist.all_gather_objects(rank_info.model_dump())
+        audit = AuditRecorder(model, param_check_every=config.metrics.param_check_every,
+                              extra={"model_dtype": mine.model.dtype})
+        audit.record_rng("rng_start", device)
 
-        loop = TrainLoop(config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir, progress_marker, heartbeat)
+        loop = TrainLoop(config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir, progress_marker,
+                         heartbeat, audit=audit)
         first_step_at = time.time()
         loop.run()
         monitor.close()
+        evidence = audit.finish()
         if info.rank != 0:
             return None
+        # The shard plan is the *global* config's, whatever this rank's data override says.
+        evidence["plan_samples"] = len(samples) if mine.data == config.data else len(load_rows(config.data))
         return {
+            "audit_evidence": evidence,
             "ranks": all_ranks,
             "device_type": device_type,
             "backend": backend,
@@ -199,15 +212,18 @@ def _probe_worker(
 class TrainLoop:
     """The optimizer-step loop; rank 0 streams each sampled step's rows to the run directory."""
 
-    def __init__(self, config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir: Path, marker: dict, heartbeat):
+    def __init__(self, config, mine, info, device, ddp, monitor, optimizer, scheduler, batches, run_dir: Path, marker: dict, heartbeat,
+                 audit: AuditRecorder | None = None):
         self.config, self.mine, self.info, self.device = config, mine, info, device
         self.ddp, self.monitor, self.optimizer, self.scheduler, self.batches = ddp, monitor, optimizer, scheduler, batches
         self.run_dir = run_dir
         self.marker = marker  # the step in progress, for the crash report
         self.heartbeat = heartbeat
+        self.audit = audit
         self.steps_completed = 0
         self.stopped_early: str | None = None
         self.train_s = 0.0
+        self.last_sync_s: float | None = None  # when this rank left the previous step's metrics gather
 
     def run(self) -> None:
         writers = None
@@ -244,7 +260,11 @@ class TrainLoop:
         self.heartbeat.beat(step, "compute")
         faults_at_step_start(faults, step)
         t0 = time.perf_counter()
-        micro = [self.batches.next() for _ in range(train.grad_accum_steps)]
+        micro = []
+        for _ in range(train.grad_accum_steps):
+            micro.append(self.batches.next())
+            if self.audit is not None:  # the epoch is read after next(), which may have started a new one
+                self.audit.record_batch(self.batches.epoch, micro[-1]["sample_ids"])
         tokens = sum(response_tokens(batch) for batch in micro)
         # Normalise by the step's response tokens on this rank (known before any forward), so an
         # all-truncated micro-batch contributes zero instead of 0/0.
@@ -257,21 +277,35 @@ class TrainLoop:
                 summed = micro_step_loss(self.ddp, batch, self.device, train.precision)
                 if faults.nan_at_step == step:
                     summed = summed * float("nan")
+                if is_last:
+                    self.heartbeat.beat(step, "backward")
                 (summed * (train.loss_scale / denominator)).backward()
             loss_sum += summed.detach()
         if faults.step_sleep_ms:
             time.sleep(faults.step_sleep_ms / 1000)
         _sync(self.device)
-        compute_ms = (time.perf_counter() - t0) * 1000
+        compute_done = time.perf_counter()
+        compute_ms = (compute_done - t0) * 1000
+        extras = {"compute_ms": compute_ms}
+        if self.last_sync_s is not None:
+            # compute_ms ends when DDP's all-reduce completes, a moment all ranks share, so a rank that
+            # starts late looks fast for the whole run. Timed from the previous gather (also shared),
+            # the cycle has no such bias: ranks differ only by their own work (the stragglers audit).
+            extras["cycle_ms"] = (compute_done - self.last_sync_s) * 1000
         local_loss = loss_sum * (train.loss_scale / denominator)
         self.heartbeat.beat(step, "sync")
-        metrics = self.monitor.end_step(local_loss, tokens=tokens, extras={"compute_ms": compute_ms})
+        metrics = self.monitor.end_step(local_loss, tokens=tokens, extras=extras)
+        self.last_sync_s = time.perf_counter() if metrics is not None else None
         self.heartbeat.beat(step, "optimizer")
         if train.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.audit is not None:
+            if step == 0:
+                self.audit.record_rng("rng_after_first_step", self.device)
+            self.audit.after_optimizer_step(step)  # collective on parameter-check steps
         return metrics, compute_ms
 
 
@@ -283,40 +317,6 @@ def write_rows(writers, step: int, metrics, lr: float) -> None:
     """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
     steps_writer, aggregates_writer = writers
     data = metrics.to_dict()
-    world = len(data["per_rank_loss"])
-    compute = data.get("per_rank_extras", {}).get("compute_ms") or [None] * world
-    tokens = data.get("per_rank_tokens") or [None] * world
-    for rank, loss in enumerate(data["per_rank_loss"]):
-        steps_writer.write({
-            "step": step,
-            "rank": rank,
-            "loss": loss,
-            "tokens": tokens[rank],
-            "grad_norm": data["per_rank_grad_norm"][rank],
-            "cosine_to_mean": data["cosine_to_mean"][rank],
-            "compute_ms": compute[rank],
-        })
-    losses = [v for v in data["per_rank_loss"] if v is not None]
-    norms = [v for v in data["per_rank_grad_norm"] if v is not None]
-    cos_to_mean = [v for v in data["cosine_to_mean"] if v is not None]
-    aggregates_writer.write({
-        "step": step,
-        "loss_mean": sum(losses) / len(losses) if losses else None,
-        "loss_std": data["loss_std"],
-        "loss_range": data["loss_range"],
-        "grad_norm_mean": sum(norms) / len(norms) if norms else None,
-        "grad_norm_std": data["grad_norm_std"],
-        "grad_norm_cv": data["grad_norm_cv"],
-        "cosine_mean": data["cosine_mean"],
-        "cosine_min": data["cosine_min"],
-        "cosine_to_mean_min": min(cos_to_mean) if cos_to_mean else None,
-        "mean_grad_norm": data["mean_grad_norm"],
-        "gradient_diversity": data["gradient_diversity"],
-        "grad_sqnorm_est": data["grad_sqnorm_est"],
-        "trace_sigma_est": data["trace_sigma_est"],
-        "noise_scale": data["noise_scale"],
-        "tokens_total": sum(t for t in tokens if t is not None),
-        "lr": _finite_or_none(lr),
-        "nonfinite_ranks": data["nonfinite_ranks"],
-        "pairwise_cosine": data["pairwise_cosine"],
-    })
+    for row in rank_rows(step, data):
+        steps_writer.write(row)
+    aggregates_writer.write(aggregate_row(step, data, lr))

@@ -17,15 +17,15 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from healthcheck.artifacts import RESULT_FILE, VERDICT_FILE, RankSummary, RunResult, write_text_atomic
-from healthcheck.baseline import DEFAULT_METRICS, Baseline, Envelope, record_command
+from healthcheck.artifacts import RESULT_FILE, VERDICT_FILE, RunResult, write_text_atomic
+from healthcheck.baseline import Baseline, record_command
+from healthcheck.envelope import DEFAULT_METRICS, Envelope
 from healthcheck.config import format_validation_error
 from healthcheck.errors import BaselineError, InvalidInput, ProbeFailed
 from healthcheck.findings import ConfigChange, Finding, Verdict
 
 #: |z| at which a rank is named as the source of a failure. It needs leave-one-out (or robust) z-scores:
 #: a z against the mean and sd of all n ranks, itself included, never exceeds sqrt(n-1), 2.65 at n=8.
-RANK_Z_THRESHOLD = 3.0
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -44,12 +44,6 @@ def envelope_margin(observed: float, envelope: Envelope) -> Optional[float]:
     else:
         half, distance = envelope.center - envelope.lower, observed - envelope.lower
     return distance / half if half > 0 else None
-
-
-def outlier_ranks(per_rank: list[RankSummary], z_field: str, threshold: float = RANK_Z_THRESHOLD) -> list[tuple[int, float]]:
-    """Ranks whose ``z_field`` z-score is at least ``threshold`` in magnitude, most extreme first."""
-    found = [(r.rank, z) for r in per_rank if (z := getattr(r, z_field, None)) is not None and abs(z) >= threshold]
-    return sorted(found, key=lambda item: -abs(item[1]))
 
 
 def normalized_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -135,11 +129,13 @@ class EnvelopeCheck:
         side, excess = ("above", observed - env.upper) if observed > env.upper else ("below", env.lower - observed)
         outside = f" ({-margin:.1f} half-widths)" if margin is not None else ""
         message = f"{label} {observed:.3g} is {side} the envelope {bounds} by {excess:.3g}{outside}"
-        ranks = outlier_ranks(result.per_rank, spec.rank_z) if spec and spec.rank_z else []
-        if ranks:
-            named = ", ".join(f"{rank} ({spec.rank_z} {z:+.1f})" for rank, z in ranks)
-            message += f"; {'rank' if len(ranks) == 1 else 'ranks'} {named} {'stands' if len(ranks) == 1 else 'stand'} out"
-        return Finding(**base, passed=False, message=message, observed=observed, margin=margin, ranks=[r for r, _ in ranks])
+        # Ranks are named by the one attribution rule (persistent |z| >= 3), computed at summary time.
+        family = spec.rank_z.removeprefix("z_") if spec and spec.rank_z else None
+        standouts = sorted((o for o in result.standouts if o.metric == family), key=lambda o: -abs(o.z))
+        if standouts:
+            named = ", ".join(f"{o.rank} ({o.phrase()})" for o in standouts)
+            message += f"; {'rank' if len(standouts) == 1 else 'ranks'} {named} {'stands' if len(standouts) == 1 else 'stand'} out"
+        return Finding(**base, passed=False, message=message, observed=observed, margin=margin, ranks=[o.rank for o in standouts])
 
 
 class AuditEntry(BaseModel):
@@ -150,13 +146,19 @@ class AuditEntry(BaseModel):
     passed: bool = Field(description="Whether the exact audit held.")
     message: str = Field(description="One sentence on what was checked and found.")
     ranks: list[int] = Field(default_factory=list, description="Ranks the audit blames.")
+    signature: Optional[str] = Field(None, description="Seed-independent description of the observed state.")
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditCheck:
-    """Turn an audit the probe already ran (``result.audits[name]``) into a finding ``audit.<name>``."""
+    """Turn an audit the probe already ran (``result.audits[name]``) into a finding ``audit.<name>``.
+
+    It passes when the audit met its ideal expectation, or when ``approved`` (the baseline's
+    ``audits[name]``) equals the observed signature: a deviation someone recorded on purpose.
+    """
 
     name: str
+    approved: Optional[str] = None
 
     def evaluate(self, result: RunResult) -> Finding:
         try:
@@ -165,8 +167,21 @@ class AuditCheck:
             err = exc.errors()[0]
             field = ".".join(str(part) for part in ("audits", self.name, *err["loc"]))
             raise InvalidInput(f"{RESULT_FILE}: {field}: {err['msg']} (expected passed, message, ranks)") from None
-        return Finding(check=f"audit.{self.name}", title=self.name.replace("_", " "), passed=entry.passed,
-                       message=entry.message, ranks=entry.ranks, details=entry.model_extra or {})
+        details = dict(entry.model_extra or {})
+        if entry.signature is not None:
+            details["signature"] = entry.signature
+        title = self.name.replace("_", " ")
+        if not entry.passed and self.approved is not None and entry.signature == self.approved:
+            details["approved_signature"] = self.approved
+            return Finding(check=f"audit.{self.name}", title=title, passed=True, ranks=entry.ranks, details=details,
+                           message=f"approved deviation (baseline audits.{self.name} = {self.approved!r}): {entry.message}")
+        if not entry.passed and self.approved is not None:
+            details["approved_signature"] = self.approved
+            message = f"{entry.message} (the baseline approves only {self.approved!r}, observed {entry.signature!r})"
+            return Finding(check=f"audit.{self.name}", title=title, passed=False, message=message, ranks=entry.ranks,
+                           details=details)
+        return Finding(check=f"audit.{self.name}", title=title, passed=entry.passed, message=entry.message,
+                       ranks=entry.ranks, details=details)
 
 
 # --------------------------------------------------------------------------- verdict
@@ -203,7 +218,7 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
     if baseline.name != result.name:
         notes.append(f"baseline is for probe {baseline.name!r}, this run is probe {result.name!r}")
     findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
-    findings += [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
+    findings += [AuditCheck(name, baseline.audits.get(name)).evaluate(result) for name in sorted(result.audits)]
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
     return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff)
 

@@ -14,7 +14,8 @@ import math
 import pytest
 
 from healthcheck import distributed
-from healthcheck.baseline import Baseline, Envelope, save_baseline
+from healthcheck.baseline import Baseline, save_baseline
+from healthcheck.envelope import Envelope
 from healthcheck.errors import BaselineError
 from healthcheck.integrations import EnvelopeCheck, envelope_checks
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 
-from healthcheck.artifacts import Environment, MetricSummary, RankSummary, RunResult, Timing
-from healthcheck.baseline import Baseline, Envelope, fit_baseline
+from healthcheck.artifacts import RankSummary, Standout
+from healthcheck.baseline import Baseline, fit_baseline
+from healthcheck.envelope import Envelope
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import BaselineError, ExitCode, InvalidInput, ProbeFailed
 from healthcheck.verdict import (
@@ -109,11 +109,16 @@ def test_metric_absent_from_summary_fails(baseline):
 def test_failure_is_attributed_to_an_outlying_rank(baseline):
     values = typical()
     values["cosine_to_mean_min"] = 0.1
-    per_rank = [RankSummary(rank=r, z_cosine_to_mean=-4.2 if r == 3 else 0.5, z_loss=5.0 if r == 6 else 0.0) for r in range(8)]
-    verdict = judge(make_result(values, per_rank=per_rank), baseline)
+    standouts = [
+        Standout(rank=3, metric="cosine_to_mean", z=-4.2, same_side_steps=48, window_steps=50),
+        Standout(rank=6, metric="loss", z=5.0, same_side_steps=50, window_steps=50),
+    ]
+    # A large z that the persistence rule did not confirm is not a standout, so it is not named.
+    per_rank = [RankSummary(rank=r, z_cosine_to_mean=-6.0 if r == 5 else 0.5) for r in range(8)]
+    verdict = judge(make_result(values, per_rank=per_rank).model_copy(update={"standouts": standouts}), baseline)
     finding = by_check(verdict)["envelope.cosine_to_mean_min"]
-    assert finding.ranks == [3]  # rank 6 is off in loss, not in cosine
-    assert "rank 3 (z_cosine_to_mean -4.2) stands out" in finding.message
+    assert finding.ranks == [3]  # rank 6 is off in loss, not in cosine; rank 5 is not persistent
+    assert "rank 3 (cosine_to_mean z=-4.2 (lower in 48/50 steps)) stands out" in finding.message
     assert all(f.ranks == [] for f in verdict.findings if f.passed)
 
 
