@@ -22,7 +22,7 @@ from typing import Any, Iterator, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from healthcheck.config import ProbeConfig
+from healthcheck.config import ProbeConfig, format_validation_error
 from healthcheck.errors import InvalidInput
 from healthcheck.metrics import json_safe
 
@@ -217,9 +217,7 @@ def load_result(run_dir: Path) -> RunResult:
     except FileNotFoundError:
         raise InvalidInput(f"{path}: not found; is {run_dir} a healthcheck run directory?") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise InvalidInput(f"{path}: {loc}: {err['msg']}") from None
+        raise InvalidInput(format_validation_error(exc, str(path))) from None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read ({exc.strerror or exc})") from None
 
