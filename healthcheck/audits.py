@@ -26,15 +26,17 @@ from typing import Any, Mapping, Sequence
 from healthcheck import distributed as hdist
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, read_jsonl
 from healthcheck.audit_checks import (
-    OUTLIER_METRICS,
     AuditOutcome,
     data_shard_audit,
     environment_audit,
     nonfinite_audit,
     param_equality_audit,
-    rank_outlier_audit,
     reduction_audit,
     seed_audit,
+)
+from healthcheck.rank_outliers import (
+    OUTLIER_METRICS,
+    rank_outlier_audit,
     straggler_audit,
 )
 

@@ -335,6 +335,9 @@ class WorkerConsistencyMonitor:
 
         def flush(last: bool = False) -> None:
             nonlocal pending, pending_numel
+            if not pending and last and header is not None:
+                # The gradients ended exactly on a chunk boundary, so the header travels alone.
+                header_rows.append(distributed.all_gather_rows(header, self._group))
             if pending:
                 locals_ = [local for local, _ in pending]
                 chunk = locals_[0] if len(locals_) == 1 else torch.cat(locals_)

@@ -121,6 +121,22 @@ def _reduction_extras(direction: str = "sketch", steps: int = 2) -> list[dict[st
     return out
 
 
+def _check_exact_chunks_ending_on_a_boundary() -> None:
+    """Exact mode with a chunk size that divides the gradient: the fused header must still arrive."""
+    ddp, reference = _make_ddp()
+    numel = sum(p.numel() for p in ddp.module.parameters())
+    monitor = WorkerConsistencyMonitor(ddp, direction="exact", exact_chunk_numel=numel // 4)
+    assert numel % 4 == 0
+    x, y = _batch(0, distributed.rank())
+    _loss(ddp, x, y).backward()
+    local = torch.cat([g.reshape(-1) for g in torch.autograd.grad(_loss(reference, x, y), list(reference.parameters()))])
+    m = monitor.end_step(1.5, extras={"compute_ms": 1.0})
+    norms = distributed.all_gather_rows(local).norm(dim=1).tolist()
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(m.per_rank_grad_norm, norms)), m.per_rank_grad_norm
+    assert m.per_rank_loss == [1.5] * WORLD and m.per_rank_extras == {"compute_ms": [1.0] * WORLD}
+    monitor.close()
+
+
 def _as_rows(per_step: list[dict[str, list[float]]]) -> list[dict]:
     rows = []
     for step, extras in enumerate(per_step):
@@ -163,6 +179,7 @@ def _worker() -> None:
     try:
         _check_param_equality()
         _check_reduction_numerics()
+        _check_exact_chunks_ending_on_a_boundary()
     finally:
         distributed.destroy_distributed()
 

@@ -14,26 +14,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthcheck.audit_checks import (
-    binomial_tail,
     data_shard_audit,
     environment_audit,
     group_ranks,
     nonfinite_audit,
     param_equality_audit,
     partition_signature,
-    rank_outlier_audit,
     rank_span,
     ranks_phrase,
     reduction_audit,
     seed_audit,
     shard_overlap,
-    sign_test_p,
-    straggler_audit,
 )
 from healthcheck.audits import parameter_hashes, planned_shards, tensor_bit_hash
 from healthcheck.baseline import approved_audit_signatures, fit_baseline
-from healthcheck.config import ConfigError, TrainConfig, load_config
+from healthcheck.config import ConfigError, MetricsConfig, TrainConfig, load_config
 from healthcheck.data import MicroBatches, ShardPlan, TokenizedSample
+from healthcheck.errors import InvalidInput
+from healthcheck.rank_outliers import (
+    binomial_tail,
+    rank_outlier_audit,
+    sign_test_p,
+    straggler_audit,
+)
 from healthcheck.verdict import AuditCheck, judge
 from tests.synthetic_runs import CLEAN, clean_runs, make_result
 
@@ -270,8 +273,12 @@ def _timings(rng: random.Random, steps=60, world=8, slow: dict | None = None, no
     return out
 
 
+#: The configured defaults: (straggler_factor, straggler_max_p).
+DEFAULT_RULE = (MetricsConfig().straggler_factor, MetricsConfig().straggler_max_p)
+
+
 def test_a_persistent_straggler_is_named():
-    outcome = straggler_audit(_timings(random.Random(1), slow={3: 100}), 1.03, 1e-3)
+    outcome = straggler_audit(_timings(random.Random(1), slow={3: 100}), *DEFAULT_RULE)
     assert not outcome.passed and outcome.ranks == (3,) and outcome.signature == "slow 3"
     assert outcome.message.startswith("rank 3 is persistently slower: ")
 
@@ -279,19 +286,19 @@ def test_a_persistent_straggler_is_named():
 def test_one_very_slow_step_is_not_a_straggler():
     timings = _timings(random.Random(2))
     timings[30][5] *= 20
-    assert straggler_audit(timings, 1.03, 1e-3).passed
+    assert straggler_audit(timings, *DEFAULT_RULE).passed
 
 
 def test_clean_false_alarm_rate_is_low():
     rng = random.Random(3)
-    alarms = sum(not straggler_audit(_timings(rng), 1.03, 1e-3).passed for _ in range(400))
-    assert alarms <= 8, alarms  # about 0.75% per run in this model (2000 runs); real clean runs: see the README
+    alarms = sum(not straggler_audit(_timings(rng), *DEFAULT_RULE).passed for _ in range(400))
+    assert alarms <= 4, alarms  # about 0.05% per run in this model (2000 runs); real clean runs: see the README
 
 
 def test_too_few_steps_never_fail():
-    # Persistence needs evidence: 8 timed steps cannot reach p <= 1e-3 even if a rank is slower in all of them.
-    assert sign_test_p(8, 8) > 1e-3
-    assert straggler_audit(_timings(random.Random(4), steps=10, slow={1: 500}), 1.03, 1e-3).passed
+    # Persistence needs evidence: 8 timed steps cannot reach the default p even if a rank is slower in all of them.
+    assert sign_test_p(8, 8) > DEFAULT_RULE[1]
+    assert straggler_audit(_timings(random.Random(4), steps=10, slow={1: 500}), *DEFAULT_RULE).passed
 
 
 # ----------------------------------------------------------------------------- rank outliers
@@ -380,3 +387,38 @@ def test_reduction_cadence_must_ride_on_sampled_steps():
     with pytest.raises(ConfigError, match=r"metrics: reduction_check_every: must be 0 or a multiple of every \(3\), got 10"):
         load_config(None, ["metrics.every=3"])
     assert load_config(None, ["metrics.every=5"]).metrics.reduction_check_every == 10
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def test_run_named_exit_code_follows_the_misses(tmp_path, monkeypatch):
+    from healthcheck import scenarios
+    from healthcheck.baseline import save_baseline
+    from tests.synthetic_runs import fitted
+
+    path = tmp_path / "baseline.json"
+    save_baseline(fitted(3), path)
+    caught = {"lr-x10": [("audit.param_equality", [3])], "clean": [], "nan": [("audit.nonfinite", [5])]}
+
+    def fake_run(scenario, seed, baseline, **_):
+        return scenarios.assess(scenario, caught[scenario.name], 8, seed=seed, exit_code=1)
+
+    monkeypatch.setattr(scenarios, "run_scenario", fake_run)
+    lines: list[str] = []
+    assert scenarios.run_named(["lr-x10", "clean"], seeds=2, baseline=path, emit=lines.append) == 0
+    assert len(lines) == 5 and lines[0].startswith("lr-x10") and "seed 1000" in lines[0] and "-> detected, right rank" in lines[0]
+    assert lines[-1] == "4/4 runs caught as expected"
+    assert scenarios.run_named(["nan"], baseline=path, emit=lines.append) == 1  # rank 5 named, rank 3 expected
+    assert "WRONG RANK" in lines[-2] and "missed: nan (seed 1000)" in lines[-1]
+    with pytest.raises(InvalidInput, match="--seeds: expected at least 1"):
+        scenarios.run_named(["nan"], seeds=0, baseline=path)
+
+
+def test_every_scenario_config_validates_and_names_a_rank_inside_the_world():
+    from healthcheck.scenarios import CATALOGUE
+
+    for scenario in CATALOGUE:
+        config = scenario.config(1000)
+        assert scenario.expected_checks and scenario.expected_rank_set(config.distributed.nproc) <= set(range(8))
+        assert config.train.seed == 1000
