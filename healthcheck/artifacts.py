@@ -209,17 +209,26 @@ def write_result(run_dir: Path, result: RunResult) -> None:
     write_text_atomic(run_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
 
 
-def load_result(run_dir: Path) -> RunResult:
-    """Read ``RUN_DIR/result.json`` or fail with a one-line error (exit 2)."""
-    path = Path(run_dir) / RESULT_FILE
+def read_model_file(path: Path, model: type[BaseModel], missing: str):
+    """Validate a JSON artifact as ``model``, or fail with one line naming the file (exit 2).
+
+    ``missing`` says what a missing file means for this artifact.
+    """
     try:
-        return RunResult.model_validate_json(path.read_bytes())
+        return model.model_validate_json(path.read_bytes())
     except FileNotFoundError:
-        raise InvalidInput(f"{path}: not found; is {run_dir} a healthcheck run directory?") from None
+        raise InvalidInput(f"{path}: not found; {missing}") from None
     except ValidationError as exc:
         raise InvalidInput(format_validation_error(exc, str(path))) from None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def load_result(run_dir: Path) -> RunResult:
+    """Read ``RUN_DIR/result.json`` or fail with a one-line error (exit 2)."""
+    return read_model_file(
+        Path(run_dir) / RESULT_FILE, RunResult, f"is {run_dir} a healthcheck run directory?"
+    )
 
 
 class JsonlWriter:

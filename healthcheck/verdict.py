@@ -17,10 +17,9 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from healthcheck.artifacts import RESULT_FILE, VERDICT_FILE, RunResult, write_text_atomic
+from healthcheck.artifacts import RESULT_FILE, VERDICT_FILE, RunResult, read_model_file, write_text_atomic
 from healthcheck.baseline import Baseline, record_command
 from healthcheck.envelope import DEFAULT_METRICS, Envelope
-from healthcheck.config import format_validation_error
 from healthcheck.errors import BaselineError, InvalidInput, ProbeFailed
 from healthcheck.findings import ConfigChange, Finding, Verdict
 
@@ -232,12 +231,6 @@ def write_verdict(run_dir: Path | str, verdict: Verdict) -> Path:
 
 def load_verdict(run_dir: Path | str) -> Verdict:
     """Read ``RUN_DIR/verdict.json`` or raise a one-line :class:`InvalidInput` (exit 2)."""
-    path = Path(run_dir) / VERDICT_FILE
-    try:
-        return Verdict.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: not found; the run has not been judged against a baseline yet") from None
-    except ValidationError as exc:
-        raise InvalidInput(format_validation_error(exc, str(path))) from None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return read_model_file(
+        Path(run_dir) / VERDICT_FILE, Verdict, "the run has not been judged against a baseline yet"
+    )
