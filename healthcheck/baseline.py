@@ -272,11 +272,29 @@ def _save_locked(baseline: Baseline, path: Path) -> None:
             except json.JSONDecodeError:
                 line = json.dumps(old)  # a corrupt file is kept verbatim, as a JSON string
             # History first: a crash between the two steps duplicates a version, it never loses one.
-            with open(history_path(path), "a", encoding="utf-8") as handle:
-                handle.write(line + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+            _append_history_line(history_path(path), line)
         write_text_atomic(path, baseline.model_dump_json(indent=2) + "\n")
+
+
+def _append_history_line(history: Path, line: str) -> None:
+    """Append one JSON line, first cutting off a line torn by a crash during an earlier append.
+
+    Dropping the torn tail loses nothing: that append was killed before the atomic replace that
+    follows it, so the version it was saving is still the current file and is the one appended now.
+    """
+    encoded = (line + "\n").encode("utf-8")
+    with open(history, "a+b") as handle:
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        if size:
+            handle.seek(size - 1)
+            if handle.read(1) != b"\n":
+                handle.seek(0)
+                keep = handle.read().rfind(b"\n") + 1  # 0 when the torn line is the only one
+                handle.truncate(keep)
+        handle.write(encoded)  # "a" mode: always at the (possibly new) end
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def record_command(config_hint: Optional[str] = None) -> str:

@@ -89,3 +89,30 @@ def test_disk_full_keeps_the_previous_baseline(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_baseline(target) == a
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_history_line_torn_by_a_crash_is_cut_before_the_next_append(tmp_path):
+    a, b, _ = two_versions(tmp_path)
+    target = tmp_path / "default.json"
+    save_baseline(a, target)
+    save_baseline(b, target)  # history: [a]
+    history = history_path(target)
+    complete = history.read_bytes()
+    # A kill part-way through the next append leaves half a line and no newline; the atomic
+    # replace after it never ran, so ``b`` is still the current baseline.
+    with open(history, "ab") as handle:
+        handle.write(b'{"schema_version":1,"name":"def')
+    save_baseline(a, target)
+    lines = history.read_text().splitlines()
+    assert history.read_bytes().startswith(complete)
+    assert [json.loads(line)["reason"] for line in lines] == [a.reason, b.reason]
+    assert load_baseline(target) == a
+
+
+def test_a_torn_first_history_line_is_dropped(tmp_path):
+    a, b, _ = two_versions(tmp_path)
+    target = tmp_path / "default.json"
+    save_baseline(a, target)
+    history_path(target).write_bytes(b'{"schema_ver')
+    save_baseline(b, target)
+    assert [json.loads(line)["reason"] for line in history_path(target).read_text().splitlines()] == [a.reason]
