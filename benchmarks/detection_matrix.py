@@ -8,6 +8,7 @@ named the right rank, and for the clean probe the false-alarm rate (any check fi
     python benchmarks/detection_matrix.py --seeds 20                        # against baselines/default.json
     python benchmarks/detection_matrix.py --seeds 3 --steps 30 --fit 5      # shorter probes, own 5-run baseline
     python benchmarks/detection_matrix.py --from-json runs/matrix/outcomes.json   # re-print a finished sweep
+    python benchmarks/detection_matrix.py --from-json runs/m1/outcomes.json runs/m2/outcomes.json  # merge sweeps
 
 Targets: every scenario caught in >= 19/20 seeds with the right rank named, the clean probe 0/20.
 The numbers it prints are copied into the README with the command that made them.
@@ -34,7 +35,8 @@ def _parse(argv):
                         help="fit a fresh baseline from K clean runs (seeds 42..) with the same settings instead")
     parser.add_argument("--scenarios", nargs="+", default=["clean", "all"], help="names (default: clean all)")
     parser.add_argument("--runs-root", type=Path, default=Path("runs/matrix"))
-    parser.add_argument("--from-json", type=Path, help="print the table of a finished sweep's outcomes.json")
+    parser.add_argument("--from-json", type=Path, nargs="+",
+                        help="print the table of finished sweeps' outcomes.json files (several are merged in order)")
     return parser.parse_args(argv)
 
 
@@ -109,9 +111,13 @@ def matrix_text(outcomes: list[dict]) -> str:
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
-        print(f"command: {data.get('command')}\n")
-        print(matrix_text(data["outcomes"]))
+        outcomes = []
+        for path in args.from_json:
+            data = json.loads(path.read_text())
+            print(f"command: {data.get('command')}  ({len(data['outcomes'])} runs, baseline {data.get('baseline')})")
+            outcomes += data["outcomes"]
+        print()
+        print(matrix_text(outcomes))
         return 0
     args.runs_root.mkdir(parents=True, exist_ok=True)
     outcomes = run_sweep(args)

@@ -80,6 +80,9 @@ class Timing(_Model):
     startup_s: Optional[float] = Field(None, description="From command start to the first training step.")
     train_s: Optional[float] = Field(None, description="The training loop.")
     mean_step_ms: Optional[float] = Field(None, description="Mean wall time per optimizer step.")
+    launch_attempts: int = Field(
+        1, ge=1, description="Worker launches; 2 when the first stalled in start-up and the probe relaunched."
+    )
 
 
 class MetricSummary(_Model):

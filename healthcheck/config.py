@@ -140,6 +140,11 @@ class DistributedConfig(_Section):
     timeout_s: float = Field(
         300.0, gt=0, le=86_400, description="Collective timeout, and the watchdog's limit on a probe making no progress."
     )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="Limit from launch until every worker has joined the process group. A worker that misses it "
+        "is stuck before training (nothing was measured yet), so the probe relaunches once, then fails with exit 3.",
+    )
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size.")
     gradient_as_bucket_view: bool = Field(False, description="DDP gradient_as_bucket_view.")
 
@@ -208,6 +213,11 @@ class FaultConfig(_Section):
         "exception", description="How crash_at_step crashes: raise an exception, or SIGKILL the worker itself."
     )
     hang_at_step: Optional[int] = Field(None, ge=0, description="Sleep forever at the start of this step (a hung worker).")
+    startup_hang_launches: int = Field(
+        0, ge=0, le=100,
+        description="Sleep forever before joining the process group in the first N launches of the probe "
+        "(tests the distributed.startup_timeout_s relaunch).",
+    )
 
 
 #: Sections a rank override may change; the layout (distributed) and measurement (metrics) are global.

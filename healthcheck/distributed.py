@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -26,6 +27,8 @@ from typing import Any, Callable
 from healthcheck.errors import InvalidInput, ProbeFailed
 
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+#: Address of single-node launches; numeric so that forked workers never call the resolver.
+LOOPBACK = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +251,7 @@ def launch_local(
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local workers through torch's elastic launcher.
 
-    This is the code path torchrun takes. The rendezvous listens on ``localhost:0`` so the OS
+    This is the code path torchrun takes. The rendezvous listens on ``127.0.0.1:0`` so the OS
     picks a free port and two probes on one machine never collide. Workers are forked from this
     process: torch and transformers are imported once here instead of once per worker, which is
     what lets 8 ranks start on 2 cores in under a second.
@@ -259,13 +262,19 @@ def launch_local(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     quiet_elastic_logs()
+    _protect_forked_workers()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        # Numeric loopback, never a host name: the workers are forked from a process whose threads
+        # (the agent's store and keep-alive) may hold glibc's resolver lock at fork time, and a
+        # child that then resolves "localhost" waits on that lock forever. A numeric address skips
+        # the resolver, and MASTER_ADDR comes from local_addr instead of a getfqdn() lookup.
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,
         max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method=start_method,
@@ -276,6 +285,27 @@ def launch_local(
         failed = ProbeFailed(describe_child_failure(exc))
         failed.signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
         raise failed from None
+
+
+_fork_hook_installed = False
+
+
+def _protect_forked_workers() -> None:
+    """Keep a forked worker from running destructors of the launcher's garbage.
+
+    A long-lived launcher (``baseline record``, the scenario sweeps, a test session) holds the
+    dead objects of earlier launches: agents, TCPStore servers, process groups. A forked worker
+    inherits them, and when its garbage collector frees them their C++ destructors act on threads
+    and sockets that do not exist in the child: a segfault or a deadlock before the worker joins
+    the process group. Collecting in the launcher first, and freezing everything a worker
+    inherits (Python's documented fork recipe, ``gc.freeze``), means only the worker's own objects
+    are ever collected in the worker.
+    """
+    global _fork_hook_installed
+    gc.collect()
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=gc.freeze)
+        _fork_hook_installed = True
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

@@ -34,6 +34,13 @@ def at_step_start(faults: FaultConfig, step: int) -> None:
             time.sleep(3600)
 
 
+def before_process_group(faults: FaultConfig, launch_attempt: int) -> None:
+    """Faults that strike while a worker starts, before it has joined the process group."""
+    if launch_attempt <= faults.startup_hang_launches:
+        while True:  # what a worker deadlocked in start-up looks like to the launcher
+            time.sleep(3600)
+
+
 class InjectedFault(RuntimeError):
     """Raised by ``faults.crash_at_step``."""
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,12 @@ from healthcheck.errors import InvalidInput, ProbeFailed
 from healthcheck.modeling import load_tokenizer, model_source
 from healthcheck.summary import summarize_run
 from healthcheck.trainer import probe_worker
-from healthcheck.watchdog import Watchdog, read_beats
+from healthcheck.watchdog import HEARTBEAT_DIR, Watchdog, read_beats
 
 #: Extra seconds the process group waits beyond distributed.timeout_s under the local launcher.
 PG_TIMEOUT_GRACE_S = 30.0
+#: Launches tried when workers stall before joining the process group (see Watchdog).
+STARTUP_ATTEMPTS = 2
 
 
 def preflight(config: ProbeConfig) -> None:
@@ -90,11 +94,27 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
     timeout_s = config.distributed.timeout_s
     # The watchdog ends a stalled probe at timeout_s and can name the stuck rank; the process
     # group's own timeout comes later so that it does not pre-empt the watchdog with a vaguer error.
-    args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S)
-    watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s)
+    attempts = 0
     try:
-        with watchdog, hdist.interrupts_as_keyboard_interrupt():
-            payloads = hdist.launch_local(probe_worker, config.distributed.nproc, args, run_id=f"healthcheck-{config.name}")
+        while True:
+            attempts += 1
+            args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts)
+            watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s,
+                                startup_timeout_s=config.distributed.startup_timeout_s)
+            try:
+                with watchdog, hdist.interrupts_as_keyboard_interrupt():
+                    payloads = hdist.launch_local(probe_worker, config.distributed.nproc, args,
+                                                  run_id=f"healthcheck-{config.name}")
+                break
+            except ProbeFailed:
+                # Stuck before any rank trained: nothing was measured, so starting again changes no
+                # result. Workers are forked from a threaded launcher and, rarely, one inherits a libc
+                # lock that a launcher thread held at the fork and never joins the process group.
+                if not (watchdog.stalled_in_startup and attempts < STARTUP_ATTEMPTS):
+                    raise
+                print(f"healthcheck: {watchdog.fired}; relaunching the workers "
+                      f"(attempt {attempts + 1} of {STARTUP_ATTEMPTS})", file=sys.stderr, flush=True)
+                clear_launch_state(run_dir)
     except ProbeFailed as exc:
         failure = watchdog.fired or describe_failure(run_dir, exc.message, exc.signals)
         result = _result(config, started_at, started_wall, None, "incomplete", failure, run_dir)
@@ -106,8 +126,15 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
         result = _result(config, started_at, started_wall, None, "interrupted", "interrupted by a signal or Ctrl-C", run_dir)
     else:
         result = _result(config, started_at, started_wall, payloads.get(0), "complete", None, run_dir)
+    result.timing.launch_attempts = attempts
     write_result(run_dir, result)
     return result, run_dir
+
+
+def clear_launch_state(run_dir: Path) -> None:
+    """Remove what a stalled launch left (heartbeats, error reports) so the next one starts clean."""
+    for folder in (run_dir / HEARTBEAT_DIR, run_dir / "errors"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_as_worker(config, run_dir, started_wall, started_at):

@@ -23,6 +23,7 @@ from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.data import IGNORE_INDEX, MicroBatches, load_rows, prepare_samples, shard_plan
 from healthcheck.errors import InvalidInput
 from healthcheck.faults import at_step_start as faults_at_step_start
+from healthcheck.faults import before_process_group as faults_before_process_group
 from healthcheck.faults import install_faults
 from healthcheck.modeling import build_model, load_tokenizer
 from healthcheck.progress import StepProgress
@@ -100,12 +101,13 @@ def response_tokens(batch: dict[str, Any]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: float | None = None) -> dict[str, Any] | None:
+def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: float | None = None,
+                 launch_attempt: int = 1) -> dict[str, Any] | None:
     """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's environment and timing."""
     config = ProbeConfig.model_validate_json(config_json)
     progress_marker = {"step": None}
     try:
-        return _probe_worker(config, Path(run_dir), started_at, progress_marker, pg_timeout_s)
+        return _probe_worker(config, Path(run_dir), started_at, progress_marker, pg_timeout_s, launch_attempt)
     except BaseException as exc:
         record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, progress_marker["step"], exc)
         raise
@@ -129,7 +131,8 @@ def record_worker_failure(run_dir: Path, rank: int, step: int | None, exc: BaseE
 
 
 def _probe_worker(
-    config: ProbeConfig, run_dir: Path, started_at: float, progress_marker: dict, pg_timeout_s: float | None
+    config: ProbeConfig, run_dir: Path, started_at: float, progress_marker: dict, pg_timeout_s: float | None,
+    launch_attempt: int = 1,
 ) -> dict[str, Any] | None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -137,6 +140,7 @@ def _probe_worker(
     from healthcheck.monitor import WorkerConsistencyMonitor
 
     local = hdist.get_dist_info()
+    faults_before_process_group(resolve_for_rank(config, local.rank).faults, launch_attempt)
     device_type = hdist.resolve_device(config.distributed.device, local.local_world_size)
     backend = hdist.resolve_backend(config.distributed.backend, device_type)
     info = hdist.init_distributed(device_type, backend, pg_timeout_s or config.distributed.timeout_s)

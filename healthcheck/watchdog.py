@@ -99,11 +99,19 @@ def _label(ranks: list[int]) -> str:
 
 
 class Watchdog:
-    """Launcher side: a daemon thread that kills the workers after ``timeout_s`` without a heartbeat."""
+    """Launcher side: a daemon thread that kills the workers after ``timeout_s`` without a heartbeat.
 
-    def __init__(self, run_dir: Path, nproc: int, timeout_s: float, poll_s: float = 0.5):
+    Start-up has its own, shorter limit: a rank writes its first heartbeat as soon as its process
+    group exists, which takes seconds. One that has not after ``startup_timeout_s`` is stuck before
+    training (``stalled_in_startup``), and the launcher may safely start the workers again.
+    """
+
+    def __init__(self, run_dir: Path, nproc: int, timeout_s: float, poll_s: float = 0.5,
+                 startup_timeout_s: float | None = None):
         self.run_dir, self.nproc, self.timeout_s, self.poll_s = run_dir, nproc, timeout_s, poll_s
+        self.startup_timeout_s = min(startup_timeout_s or timeout_s, timeout_s)
         self.fired: str | None = None
+        self.stalled_in_startup = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="healthcheck-watchdog", daemon=True)
 
@@ -116,9 +124,18 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        last_signature, last_change = None, time.monotonic()
+        started = last_change = time.monotonic()
+        last_signature = None
         while not self._stop.wait(self.poll_s):
             beats = read_beats(self.run_dir)
+            waited = time.monotonic() - started
+            if len(beats) < self.nproc and waited >= self.startup_timeout_s:
+                missing = sorted(set(range(self.nproc)) - {b.rank for b in beats})
+                self.fired = (f"{_label(missing)} did not join the process group within {waited:.0f} s of launch "
+                              f"(distributed.startup_timeout_s); stuck in start-up")
+                self.stalled_in_startup = True
+                self._kill(beats)
+                return
             signature = tuple((b.rank, b.step, b.phase, b.time) for b in beats)
             if signature != last_signature:
                 last_signature, last_change = signature, time.monotonic()

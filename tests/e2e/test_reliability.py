@@ -122,3 +122,34 @@ def test_two_probes_at_once_do_not_collide(tmp_path):
     # The same --out is claimed by exactly one probe; the other is refused before starting.
     again = run_cli("probe", "--no-judge", "--out", tmp_path / "run0", *args[2:], timeout=60)
     assert again.returncode == 2 and "already holds a probe run" in again.stderr
+
+
+def test_worker_stuck_in_start_up_is_relaunched_once(tmp_path):
+    out = tmp_path / "run"
+    done = run_cli(
+        "probe", "--no-judge", "--out", out, *FAST, "--set", "distributed.startup_timeout_s=5",
+        "--set", "rank_overrides={1: {faults: {startup_hang_launches: 1}}}", timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "did not join the process group within 5 s of launch" in done.stderr
+    assert "relaunching the workers (attempt 2 of 2)" in done.stderr
+    result = result_of(out)
+    assert result["status"] == "complete" and result["timing"]["launch_attempts"] == 2
+    assert sorted({row["step"] for row in read_rows(out / "steps.jsonl")}) == list(range(30))
+    assert_no_workers_left(out)
+
+
+def test_worker_stuck_in_every_start_up_exits_3(tmp_path):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    done = run_cli(
+        "probe", "--no-judge", "--out", out, *FAST, "--set", "distributed.startup_timeout_s=4",
+        "--set", "rank_overrides={0: {faults: {startup_hang_launches: 5}}}", timeout=300,
+    )
+    assert done.returncode == 3, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "did not join the process group within 4 s of launch" in line, line
+    result = result_of(out)
+    assert result["status"] == "incomplete" and result["timing"]["launch_attempts"] == 2
+    assert time.monotonic() - started < 120
+    assert_no_workers_left(out)
