@@ -108,8 +108,9 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
                 break
             except ProbeFailed:
                 # Stuck before any rank trained: nothing was measured, so starting again changes no
-                # result. Workers are forked from a threaded launcher and, rarely, one inherits a libc
-                # lock that a launcher thread held at the fork and never joins the process group.
+                # result. Forked workers can, rarely, deadlock in start-up on state inherited from the
+                # launcher; distributed._protect_forked_workers closes the causes seen so far, and this
+                # keeps an unknown one from costing a whole distributed.timeout_s.
                 if not (watchdog.stalled_in_startup and attempts < STARTUP_ATTEMPTS):
                     raise
                 print(f"healthcheck: {watchdog.fired}; relaunching the workers "
