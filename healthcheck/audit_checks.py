@@ -295,12 +295,18 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
 # --------------------------------------------------------------------------- 3. parameter equality
 
 
-def param_equality_audit(checks: Sequence[tuple[int, Sequence[Sequence[int]]]], names: Sequence[str]) -> AuditOutcome:
+def param_equality_audit(
+    checks: Sequence[tuple[int, Sequence[Sequence[int]]]],
+    names: Sequence[str],
+    drift: Sequence[tuple[int, Sequence[float]]] = (),
+) -> AuditOutcome:
     """Are the parameters bit-identical across ranks at every check step?
 
     Args:
         checks: ``(step, hashes)`` per check, ``hashes[rank][tensor]`` an integer hash of that tensor's bits.
         names: Parameter tensor names, in the hashes' column order.
+        drift: ``(step, distances)`` for the checks whose hashes differed, ``distances[rank]`` the rank's
+            relative distance from the rank-averaged parameters; it says how far and how fast they part.
     """
     if not checks:
         return AuditOutcome(True, "no parameter check ran", "unchecked", ())
@@ -324,9 +330,25 @@ def param_equality_audit(checks: Sequence[tuple[int, Sequence[Sequence[int]]]], 
     else:
         lead = f"parameters split the ranks into {len(groups)} groups ({partition_signature(groups)}) with no majority"
     message = (f"{lead} after step {step} (first differing tensor: {tensor}; {len(mismatched)}/{len(steps)} checks "
-               f"differ); DDP averages gradients, not parameters, so a rank-local optimizer or learning-rate "
-               f"difference is never corrected")
+               f"differ){_drift_text(drift, odd, details)}; DDP averages gradients, not parameters, so a rank-local "
+               f"optimizer or learning-rate difference is never corrected")
     return AuditOutcome(False, message, partition_signature(groups), tuple(odd), details)
+
+
+def _drift_text(drift: Sequence[tuple[int, Sequence[float]]], odd: Sequence[int], details: dict[str, Any]) -> str:
+    """``; rank 3's distance from the mean parameters grew from 1.0e-05 (step 0) to 2.0e-03 (step 59)``."""
+    if not drift:
+        return ""
+    details["drift"] = [{"step": int(step), "relative_distance": [float(d) for d in distances]} for step, distances in drift]
+    if not odd:
+        return ""
+    worst = max(odd, key=lambda r: drift[-1][1][r])
+    (first_step, first), (last_step, last) = drift[0], drift[-1]
+    if len(drift) == 1:
+        return f"; rank {worst} is {last[worst]:.1e} of the parameters' norm from the mean at step {last_step}"
+    verb = "grew" if last[worst] > first[worst] else "went"
+    return (f"; rank {worst}'s distance from the mean parameters {verb} from {first[worst]:.1e} (step {first_step}) "
+            f"to {last[worst]:.1e} (step {last_step}) of their norm")
 
 
 def _steps_text(steps: Sequence[int]) -> str:

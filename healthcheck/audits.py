@@ -12,7 +12,8 @@ Launcher side, :func:`run_audits` computes the planned sampler order and hands e
 pure analyses in :mod:`healthcheck.audit_checks`; ``probe.py`` stores the outcome in ``result.json``.
 
 Cost: a parameter check hashes every parameter on its device (no copy to the host) and gathers one
-int64 per tensor per rank; the sample ids and RNG hashes are gathered once, at the end.
+int64 per tensor per rank; only when the hashes disagree does it all-reduce the parameters to measure
+how far each rank has drifted. The sample ids and RNG hashes are gathered once, at the end.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class AuditRecorder:
         self.consumed: list[tuple[int, list[int]]] = []
         self.rng: dict[str, dict[str, str]] = {}
         self.param_checks: list[tuple[int, list[list[int]]]] = []
+        self.param_drift: list[tuple[int, list[float]]] = []
         self.last_step: int | None = None
 
     def record_batch(self, epoch: int, sample_ids: Sequence[int]) -> None:
@@ -96,16 +98,49 @@ class AuditRecorder:
             "per_rank": everyone,
             "param_checks": self.param_checks,
             "param_names": [name for name, _ in self.model.named_parameters()],
+            "param_drift": self.param_drift,
         }
 
     def _check_params(self, step: int) -> None:
         import torch
 
-        hashes = parameter_hashes([p for _, p in self.model.named_parameters()])
+        parameters = [p for _, p in self.model.named_parameters()]
+        hashes = parameter_hashes(parameters)
         if hashes.numel() == 0:
             hashes = torch.zeros(1, dtype=torch.int64, device=hashes.device)
         # One small gather: T int64 per rank. Every rank keeps the table; only rank 0's is used.
-        self.param_checks.append((step, hdist.all_gather_rows(hashes).cpu().tolist()))
+        table = hdist.all_gather_rows(hashes).cpu().tolist()
+        self.param_checks.append((step, table))
+        # Every rank sees the same table, so all of them join the drift measurement or none does:
+        # healthy runs never pay for it, and a divergence gets a size, not just a yes.
+        if len({tuple(row) for row in table}) > 1:
+            self.param_drift.append((step, parameter_drift(parameters)))
+
+
+def parameter_drift(parameters: Sequence[Any]) -> list[float]:
+    """Collective: each rank's relative distance from the rank-averaged parameters, ``|θ_r - θ̄| / |θ̄|``.
+
+    One float64 all-reduce per tensor, one tensor at a time, so the extra memory is two copies of the
+    largest tensor. It runs only on check steps where the hashes already disagree.
+    """
+    import torch
+
+    if not parameters:
+        return [0.0] * hdist.world_size()
+    world = hdist.world_size()
+    device = parameters[0].device
+    gap_sq = torch.zeros((), dtype=torch.float64, device=device)
+    mean_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for parameter in parameters:
+        mine = parameter.detach().to(torch.float64)
+        mean = mine.clone()
+        hdist.all_reduce_async(mean).wait()
+        mean /= world
+        gap_sq += (mine - mean).square().sum()
+        mean_sq += mean.square().sum()
+    gaps = hdist.all_gather_rows(gap_sq.reshape(1)).reshape(-1)
+    scale = float(mean_sq.sqrt()) or 1.0
+    return [float(g) ** 0.5 / scale for g in gaps.cpu().tolist()]
 
 
 # --------------------------------------------------------------------------- hashing
@@ -209,7 +244,8 @@ def run_audits(config: Any, payload: Mapping[str, Any], run_dir: Path, nonfinite
         seed = train.data_seed if train.data_seed is not None else train.seed
         plan = planned_shards(evidence["plan_samples"], world, seed, train.shuffle, train.micro_batch_size, epochs)
         outcomes["data_shards"] = data_shard_audit(consumed, plan)
-        outcomes["param_equality"] = param_equality_audit(evidence["param_checks"], evidence["param_names"])
+        outcomes["param_equality"] = param_equality_audit(evidence["param_checks"], evidence["param_names"],
+                                                          evidence.get("param_drift", ()))
         if ranks:
             outcomes["seeds"] = seed_audit([
                 {**{k: info[k] for k in ("seed", "sampler_seed", "torch_seed", "python_seed", "numpy_seed")},

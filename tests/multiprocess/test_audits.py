@@ -49,7 +49,7 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def _train(lr_for_last_layer: float, steps: int = 4) -> dict | None:
+def _train(lr_for_last_layer: float, steps: int = 4, model_out: list | None = None) -> dict | None:
     ddp, _ = _make_ddp()
     layers = list(ddp.module.children())
     head = list(layers[-1].parameters())
@@ -63,13 +63,21 @@ def _train(lr_for_last_layer: float, steps: int = 4) -> dict | None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         recorder.after_optimizer_step(step)
+    if model_out is not None:
+        model_out.append(ddp.module)
     return recorder.finish()
 
 
 def _check_param_equality() -> None:
     rank = distributed.rank()
     clean = _train(1e-2)
-    faulty = _train(1e-1 if rank == FAULTY else 1e-2)
+    trained: list = []
+    faulty = _train(1e-1 if rank == FAULTY else 1e-2, model_out=trained)
+    # Independent reference for the last drift measurement (step 3, the parameters as they are now).
+    flat = torch.cat([p.detach().reshape(-1) for p in trained[0].parameters()]).to(torch.float64)
+    everyone = distributed.all_gather_rows(flat)
+    mean = everyone.mean(0)
+    expected_drift = ((everyone - mean).norm(dim=1) / mean.norm()).tolist()
     if rank != 0:
         assert clean is None and faulty is None, "only rank 0 receives the gathered evidence"
         return
@@ -77,13 +85,19 @@ def _check_param_equality() -> None:
     assert clean["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     outcome = param_equality_audit(clean["param_checks"], clean["param_names"])
     assert outcome.passed and outcome.signature == "equal" and outcome.ranks == (), outcome
+    assert clean["param_drift"] == [], "equal hashes: the drift all-reduce never runs"
+    assert [step for step, _ in faulty["param_drift"]] == [0, 2, 3]
+    last = faulty["param_drift"][-1][1]
+    assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(last, expected_drift)), (last, expected_drift)
+    assert max(range(WORLD), key=lambda r: last[r]) == FAULTY
 
-    outcome = param_equality_audit(faulty["param_checks"], faulty["param_names"])
+    outcome = param_equality_audit(faulty["param_checks"], faulty["param_names"], faulty["param_drift"])
     assert not outcome.passed and outcome.ranks == (FAULTY,), outcome
     assert outcome.signature == "0-1|2", outcome.signature
     assert outcome.details["first_step"] == 0 and outcome.details["first_tensor"] == "4.weight", outcome.details
     assert outcome.message.startswith("rank 2's parameters differ from the majority (ranks 0-1) after step 0 "
-                                      "(first differing tensor: 4.weight; 3/3 checks differ)"), outcome.message
+                                      "(first differing tensor: 4.weight; 3/3 checks differ); rank 2's distance from "
+                                      "the mean parameters grew from "), outcome.message
     assert [p["consumed"] for p in faulty["per_rank"]] == [[(0, [s]) for s in range(4)]] * WORLD
 
 

@@ -221,6 +221,20 @@ def test_param_mismatch_names_rank_step_and_tensor():
     assert passed.passed and passed.signature == "equal"
 
 
+def test_param_drift_says_how_far_the_rank_moved():
+    names = ["a", "b"]
+    equal, diverged = [[1, 2]] * 4, [[1, 2], [1, 2], [1, 2], [1, 9]]
+    drift = [(10, [1e-6, 1e-6, 1e-6, 3e-5]), (20, [2e-6, 2e-6, 2e-6, 4e-3])]
+    outcome = param_equality_audit([(0, equal), (10, diverged), (20, diverged)], names, drift)
+    assert "; rank 3's distance from the mean parameters grew from 3.0e-05 (step 10) to 4.0e-03 (step 20) of their norm;" \
+        in outcome.message
+    assert outcome.details["drift"] == [{"step": 10, "relative_distance": [1e-6, 1e-6, 1e-6, 3e-5]},
+                                        {"step": 20, "relative_distance": [2e-6, 2e-6, 2e-6, 4e-3]}]
+    single = param_equality_audit([(0, equal), (10, diverged)], names, drift[:1])
+    assert "; rank 3 is 3.0e-05 of the parameters' norm from the mean at step 10;" in single.message
+    assert "distance" not in param_equality_audit([(10, diverged)], names).message  # older evidence: no drift
+
+
 def test_two_ranks_that_disagree_have_no_majority():
     outcome = param_equality_audit([(5, [[1, 2], [1, 3]])], ["a", "b"])
     assert outcome.ranks == (0, 1) and "no majority" in outcome.message and "first differing tensor: b" in outcome.message
