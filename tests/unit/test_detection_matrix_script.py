@@ -7,28 +7,18 @@ table arithmetic and that sweeps run in several pieces merge into one table.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from healthcheck.scenarios import Outcome
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "detection_matrix.py"
-
+from tests.benchmark_scripts import loaded_script
 
 @pytest.fixture(scope="module")
 def matrix():
-    spec = importlib.util.spec_from_file_location("detection_matrix_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("detection_matrix") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def outcome(scenario, seed, fired=(), named=(), detected=True, right_rank=True, status="complete", exit_code=1):

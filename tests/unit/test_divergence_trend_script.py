@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "divergence_trend.py"
-
+from tests.benchmark_scripts import loaded_script
 
 @pytest.fixture(scope="module")
 def trend():
-    spec = importlib.util.spec_from_file_location("divergence_trend_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("divergence_trend") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def rows(steps: int, drift: float) -> list[dict]:

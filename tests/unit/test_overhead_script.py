@@ -8,27 +8,16 @@ script whose table goes into the README, not a timed test.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
-
+from tests.benchmark_scripts import loaded_script
 
 @pytest.fixture(scope="module")
 def overhead():
-    spec = importlib.util.spec_from_file_location("overhead_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve their module through sys.modules while the class body executes.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("overhead") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_cli_defaults_cover_the_matrix(overhead):
