@@ -41,9 +41,9 @@ def _parse(argv):
 
 
 def _baseline(args, base_sets):
-    from healthcheck.baseline import fit_baseline, load_baseline, save_baseline
     from healthcheck.config import load_config
-    from healthcheck.recording import run_repeats
+    from healthcheck.judge.baseline import fit_baseline, load_baseline, save_baseline
+    from healthcheck.run.recording import run_repeats
 
     if not args.fit:
         return load_baseline(args.baseline), str(args.baseline)
@@ -57,7 +57,7 @@ def _baseline(args, base_sets):
 
 
 def run_sweep(args) -> list[dict]:
-    from healthcheck import scenarios
+    from healthcheck.run import scenarios
 
     base_sets = [*args.sets, *([f"train.steps={args.steps}"] if args.steps else [])]
     baseline, baseline_path = _baseline(args, base_sets)
@@ -78,7 +78,7 @@ def run_sweep(args) -> list[dict]:
 
 def matrix_text(outcomes: list[dict]) -> str:
     """The Markdown tables: scenario x check firing fractions, then detection, right rank and false alarms."""
-    from healthcheck.scenarios import SCENARIOS
+    from healthcheck.run.scenarios import SCENARIOS
 
     order = list(dict.fromkeys(o["scenario"] for o in outcomes))
     checks = sorted({c for o in outcomes for c in o["fired"]}, key=lambda c: (not c.startswith("audit."), c))

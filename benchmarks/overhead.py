@@ -10,7 +10,7 @@ block: otherwise one arm's rank skew would be charged to whichever arm runs next
 
 Rank 0 times each full optimizer step with ``time.perf_counter``: forward+backward over the
 grad-accum micro-steps (on CPU the all-reduce finishes inside backward), ``end_step``, gradient
-clipping and ``optimizer.step``, as ``healthcheck.trainer.TrainLoop.step`` does; fetching the
+clipping and ``optimizer.step``: the probe's own step functions in ``healthcheck.run.trainer``; fetching the
 batch is left out of both arms (which makes the ratio slightly pessimistic). Columns:
 ``ratio`` = median(monitored) / median(plain) over the measured steps; ``ci90`` = 90% interval
 of that ratio from a paired bootstrap over rounds; ``paired`` = median over rounds of the
@@ -30,7 +30,6 @@ scales with model size.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import math
@@ -96,7 +95,7 @@ class Arm:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
-        from healthcheck.monitor import WorkerConsistencyMonitor
+        from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         self.train = probe_config.train
         self.ddp = DistributedDataParallel(
@@ -115,28 +114,19 @@ class Arm:
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
 
     def step(self, micro: list[dict[str, Any]], tokens: int) -> None:
+        """The probe's own step (healthcheck.run.trainer), with the monitor's gather when monitored."""
         import torch
 
-        from healthcheck.trainer import micro_step_loss
+        from healthcheck.run.trainer import apply_update, backward_over_micro_batches
 
-        device = torch.device("cpu")
         started = time.perf_counter()
-        denominator = max(tokens, 1)
-        loss_sum = torch.zeros(())
-        for index, batch in enumerate(micro):
-            context = contextlib.nullcontext() if index == len(micro) - 1 else self.ddp.no_sync()
-            with context:
-                summed = micro_step_loss(self.ddp, batch, device, self.train.precision)
-                (summed * (self.train.loss_scale / denominator)).backward()
-            loss_sum += summed.detach()
+        local_loss, tokens = backward_over_micro_batches(
+            self.ddp, micro, torch.device("cpu"), precision=self.train.precision, loss_scale=self.train.loss_scale
+        )
         if self.monitor is not None:
             compute_ms = (time.perf_counter() - started) * 1000
-            local_loss = loss_sum * (self.train.loss_scale / denominator)
             self.monitor.end_step(local_loss, tokens=tokens, extras={"compute_ms": compute_ms})
-        if self.train.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.train.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.ddp, self.optimizer, max_grad_norm=self.train.max_grad_norm)
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -156,10 +146,11 @@ def overhead_worker(setting: Setting) -> dict[str, dict[str, list[list[float]]]]
     ``wall`` is rank 0's wall clock; ``cpu`` is the process CPU time (comm threads and kernel
     included) summed over all ranks.
     """
-    from healthcheck import distributed as hdist
-    from healthcheck.data import MicroBatches, prepare_samples, shard_plan
-    from healthcheck.modeling import build_model, load_tokenizer
-    from healthcheck.trainer import response_tokens, seed_everything
+    from healthcheck.measure import distributed as hdist
+    from healthcheck.run.data import MicroBatches, prepare_samples, shard_plan
+    from healthcheck.run.modeling import build_model, load_tokenizer
+    from healthcheck.run.trainer import response_tokens
+    from healthcheck.run.worker import seed_everything
 
     info = hdist.init_distributed("cpu", "gloo", PG_TIMEOUT_S)
     try:
@@ -212,7 +203,7 @@ def overhead_worker(setting: Setting) -> dict[str, dict[str, list[list[float]]]]
         # CPU time does not count the time a rank sat preempted or waiting, so it is the quiet
         # measure of the work the monitor adds; on an oversubscribed host that work is the cost.
         cpu_total = {
-            name: [[sum(step) for step in zip(*(ranks[name][b] for ranks in every_rank))] for b in range(setting.rounds)]
+            name: [[sum(step) for step in zip(*(ranks[name][b] for ranks in every_rank), strict=True)] for b in range(setting.rounds)]
             for name in names
         }
         return {"wall": wall_ms, "cpu": cpu_total}
@@ -225,11 +216,12 @@ def overhead_worker(setting: Setting) -> dict[str, dict[str, list[list[float]]]]
 
 def measure(setting: Setting, nproc: int) -> list[Row]:
     """Launch ``nproc`` workers for one setting and compare each mode with the plain arm."""
-    from healthcheck import distributed as hdist
-    from healthcheck.probe import warm_parent_caches
+    from healthcheck.run.probe import warm_parent_caches
 
     warm_parent_caches(probe_config_for(setting.model))
-    results = hdist.launch_local(overhead_worker, nproc, args=(setting,), run_id=f"overhead-{setting.model}-{nproc}")
+    from healthcheck.run import launcher
+
+    results = launcher.launch_local(overhead_worker, nproc, args=(setting,), run_id=f"overhead-{setting.model}-{nproc}")
     wall, cpu = results[0]["wall"], results[0]["cpu"]
     return [
         summarize(setting.model, nproc, mode, wall[PLAIN], wall[mode], cpu[PLAIN], cpu[mode]) for mode in setting.modes
@@ -264,7 +256,7 @@ def summarize(
         ratios.append(statistics.median(_flat([monitored[r] for r in picked])) / statistics.median(_flat([plain[r] for r in picked])))
     ratios.sort()
     ci90 = (ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1])
-    paired = statistics.median(statistics.fmean(m) / statistics.fmean(p) for m, p in zip(monitored, plain))
+    paired = statistics.median(statistics.fmean(m) / statistics.fmean(p) for m, p in zip(monitored, plain, strict=True))
     cpu_ratio = statistics.median(_flat(monitored_cpu or monitored)) / statistics.median(_flat(plain_cpu or plain))
     return Row(model, world, mode, plain_median, monitored_median, monitored_median / plain_median, ci90, paired, cpu_ratio)
 

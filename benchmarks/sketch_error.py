@@ -37,8 +37,8 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from healthcheck import distributed
-    from healthcheck.monitor import WorkerConsistencyMonitor
+    from healthcheck.measure import distributed
+    from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
     distributed.set_worker_threads(nproc)
     distributed.init_distributed("cpu", "gloo", 300)
@@ -89,9 +89,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     args = parser.parse_args()
 
-    from healthcheck import distributed
 
-    results = distributed.launch_local(
+    from healthcheck.run import launcher
+
+    results = launcher.launch_local(
         _worker, args.nproc, args=(args.nproc, args.steps, args.vocab_size, args.seq_len, args.batch),
         run_id="sketch-error",
     )

@@ -5,19 +5,23 @@ The library API is the monitor; importing the package does not import torch unti
     from healthcheck import WorkerConsistencyMonitor
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import Any
+
+from healthcheck.version import __version__
 
 __all__ = ["WorkerConsistencyMonitor", "StepMetrics", "__version__"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy: `healthcheck config show` must not pay for importing torch.
     if name == "WorkerConsistencyMonitor":
-        from healthcheck.monitor import WorkerConsistencyMonitor
+        from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         return WorkerConsistencyMonitor
     if name == "StepMetrics":
-        from healthcheck.metrics import StepMetrics
+        from healthcheck.measure.metrics import StepMetrics
 
         return StepMetrics
     raise AttributeError(f"module 'healthcheck' has no attribute {name!r}")

@@ -1,30 +1,31 @@
-"""The run directory: its layout, the typed ``result.json`` and the ``*.jsonl`` step records.
+"""The run directory and every typed record of a run: ``result.json``, and what crosses a process boundary.
 
 Layout of ``runs/<name>-<UTC timestamp>/`` (or ``--out DIR``)::
 
-    config.yaml        the resolved config, re-usable with --config
-    steps.jsonl        one row per (sampled step, rank): loss, tokens, grad_norm, cosine_to_mean, compute_ms
-    aggregates.jsonl   one row per sampled step: the dispersion/cosine aggregates and the pairwise matrix
-    result.json        RunResult: config, environment, seeds per rank, timing, window summary, status
-    verdict.json       the findings of the last judgement against a baseline (when there was one)
+    config.yaml          the resolved config, re-usable with --config
+    steps.jsonl          one row per (sampled step, rank): loss, tokens, grad_norm, cosine_to_mean, compute_ms
+    aggregates.jsonl     one row per sampled step: the dispersion/cosine aggregates and the pairwise matrix
+    result.json          RunResult: config, environment, seeds per rank, timing, window summary, status
+    verdict.json         the findings of the last judgement against a baseline (when there was one)
+    errors/rank-<r>.json a failed worker's WorkerFailure (and its traceback beside it)
 
-Rows are appended and flushed as the probe runs, so a crashed probe still leaves what it measured.
+Between processes: each worker returns a :class:`WorkerReport` to the launcher (rank 0's carries the
+gathered :class:`AuditEvidence`), and a worker that fails leaves a :class:`WorkerFailure`. Rows are
+appended and flushed as the probe runs, so a crashed probe still leaves what it measured.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
-from healthcheck.config import ProbeConfig, format_validation_error
+from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
-from healthcheck.metrics import json_safe
+from healthcheck.files import read_model_file, write_text_atomic
+from healthcheck.typed import Record
 
 RESULT_SCHEMA_VERSION = 1
 
@@ -35,11 +36,7 @@ CONFIG_FILE = "config.yaml"
 VERDICT_FILE = "verdict.json"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RankInfo(_Model):
+class RankInfo(Record):
     """What one rank ran with: where it was, and the seeds it really used (set after init)."""
 
     rank: int = Field(description="Global rank.")
@@ -60,20 +57,21 @@ class RankInfo(_Model):
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_*/HCCL_*/TORCH_* variables on this rank.")
 
 
-class Environment(_Model):
+class Environment(Record):
     python: str
     torch: str
     transformers: str
     healthcheck: str
     platform: str
     device_type: str = Field(description="cpu, cuda or npu.")
+    device_reason: str = Field("", description="Why this device type was used (e.g. how device=auto resolved).")
     backend: str = Field(description="Process-group backend.")
     world_size: int
     nnodes: int = Field(description="Launcher agents (nodes) among the ranks, by node_rank.")
     ranks: list[RankInfo] = Field(default_factory=list)
 
 
-class Timing(_Model):
+class Timing(Record):
     started_at: str = Field(description="UTC ISO timestamp when the probe command started.")
     finished_at: Optional[str] = Field(None, description="UTC ISO timestamp when the result was written.")
     wall_s: Optional[float] = Field(None, description="Whole probe, start-up included.")
@@ -85,7 +83,7 @@ class Timing(_Model):
     )
 
 
-class MetricSummary(_Model):
+class MetricSummary(Record):
     """One metric over the post-warmup window."""
 
     median: Optional[float] = None
@@ -95,7 +93,7 @@ class MetricSummary(_Model):
     n: int = 0
 
 
-class RankSummary(_Model):
+class RankSummary(Record):
     """One rank's means over the window, with z-scores against the other ranks (attribution)."""
 
     rank: int
@@ -110,7 +108,7 @@ class RankSummary(_Model):
     z_compute_ms: Optional[float] = None
 
 
-class Standout(_Model):
+class Standout(Record):
     """One rank persistently off the others on one per-rank quantity (see ``attribution.find_standouts``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,13 +125,13 @@ class Standout(_Model):
         return f"{self.metric} z={self.z:+.1f}{evidence}"
 
 
-class NonFiniteEvent(_Model):
+class NonFiniteEvent(Record):
     rank: int
     step: int
     what: str = Field(description="loss or gradient.")
 
 
-class RunResult(_Model):
+class RunResult(Record):
     """``result.json``: everything needed to judge, compare and report a probe without re-running it."""
 
     schema_version: int = RESULT_SCHEMA_VERSION
@@ -191,40 +189,8 @@ def prepare_run_dir(path: Path) -> Path:
     return path
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory and rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_result(run_dir: Path, result: RunResult) -> None:
     write_text_atomic(run_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
-
-
-def read_model_file(path: Path, model: type[BaseModel], missing: str):
-    """Validate a JSON artifact as ``model``, or fail with one line naming the file (exit 2).
-
-    ``missing`` says what a missing file means for this artifact.
-    """
-    try:
-        return model.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: not found; {missing}") from None
-    except ValidationError as exc:
-        raise InvalidInput(format_validation_error(exc, str(path))) from None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def load_result(run_dir: Path) -> RunResult:
@@ -234,31 +200,55 @@ def load_result(run_dir: Path) -> RunResult:
     )
 
 
-class JsonlWriter:
-    """Append-only JSON lines, flushed per row so a crash keeps every finished step."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._handle = open(path, "a", encoding="utf-8")
-
-    def write(self, row: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(json_safe(row), separators=(",", ":")) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
+# --------------------------------------------------------------------------- between processes
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a JSON-lines file; a torn last line (crash mid-write) is skipped, not fatal."""
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+class RankEvidence(Record):
+    """One rank's audit evidence, gathered from every rank when the loop ends."""
+
+    consumed: list[tuple[int, list[int]]] = Field(
+        default_factory=list, description="(epoch, sample ids) of every micro-batch the rank trained on, in order."
+    )
+    rng: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="moment (rng_start, rng_after_first_step) -> generator -> state hash."
+    )
+    extra: dict[str, Any] = Field(default_factory=dict, description="Scalars the environment audit compares.")
+
+
+class AuditEvidence(Record):
+    """Everything the exact audits need, as rank 0 holds it after the last step."""
+
+    per_rank: list[RankEvidence] = Field(description="Each rank's evidence, in rank order.")
+    param_checks: list[tuple[int, list[list[int]]]] = Field(
+        default_factory=list, description="(step, hashes[rank][tensor]) of every parameter check."
+    )
+    param_names: list[str] = Field(default_factory=list, description="Parameter tensor names, in hash column order.")
+    param_drift: list[tuple[int, list[float]]] = Field(
+        default_factory=list, description="(step, each rank's relative distance from the mean parameters) where hashes differed."
+    )
+    plan_samples: int = Field(0, ge=0, description="Samples in the data set the shared shard plan splits.")
+
+
+class WorkerReport(Record):
+    """What rank 0's worker returns to the launcher: how the run went and the audit evidence."""
+
+    evidence: AuditEvidence
+    ranks: list[RankInfo] = Field(description="Every rank's RankInfo, gathered at start-up.")
+    device_type: str
+    device_reason: str = ""
+    backend: str
+    world_size: int
+    startup_s: float = Field(description="From command start to the first training step.")
+    train_s: float = Field(description="The training loop.")
+    steps_completed: int
+    stopped_early: Optional[str] = Field(None, description="Why the loop stopped before train.steps, if it did.")
+
+
+class WorkerFailure(Record):
+    """``errors/rank-<r>.json``: why one worker failed, for the launcher to name the rank and step."""
+
+    rank: int
+    step: Optional[int] = Field(None, description="The step in progress; None when it failed during start-up.")
+    reason: str = Field(description="One line: the exception's type and message.")
+    time: float = Field(description="time.time() when it failed; the earliest report is the likely cause.")
+    exit_code: int = Field(3, description="2 when the worker rejected its input, else 3.")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from healthcheck import __version__
-from healthcheck.errors import ExitCode, HealthcheckError, InvalidInput
+from healthcheck.errors import ExitCode, HealthcheckError, InvalidInput, one_line
+from healthcheck.version import __version__
 
 EXIT_CODES_HELP = """exit codes:
   0  pass: every envelope and audit check passed
@@ -45,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(probe)
     probe.add_argument("--out", metavar="DIR", type=Path, help="run directory (default: runs/<name>-<UTC timestamp>/)")
-    probe.add_argument("--baseline", metavar="FILE", type=Path, help="baseline to judge against (default: config's, else baselines/<name>.json)")
+    probe.add_argument("--baseline", metavar="FILE", type=Path,
+                       help="baseline to judge against (default: config's, else baselines/<name>.json)")
     probe.add_argument("--force", action="store_true", help="compare even if the baseline was recorded for another world size/device")
-    probe.add_argument("--no-judge", action="store_true", help="run and record only; skip the baseline verdict (exit 0 if the probe finished)")
+    probe.add_argument("--no-judge", action="store_true",
+                       help="run and record only; skip the baseline verdict (exit 0 if the probe finished)")
 
     config = commands.add_parser("config", help="show the resolved config or its JSON Schema")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -102,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_probe(args) -> int:
     from healthcheck.config import load_config
     from healthcheck.gate import gate_run
-    from healthcheck.probe import run_probe
+    from healthcheck.run.probe import run_probe
 
     config = load_config(args.config, args.sets)
     baseline_path = args.baseline or config.baseline_path()
@@ -120,7 +123,7 @@ def cmd_config(args) -> int:
     if args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))
     elif args.config_command == "check":
-        from healthcheck.probe import preflight
+        from healthcheck.run.probe import preflight
 
         config = load_config(args.config, args.sets)
         preflight(config)
@@ -131,17 +134,19 @@ def cmd_config(args) -> int:
 
 
 def cmd_baseline(args) -> int:
-    from healthcheck import baseline as baselines
+    from healthcheck.judge import baseline as baselines
 
     if args.baseline_command == "show":
-        print(baselines.render_baseline_text(baselines.load_baseline(args.path)))
+        from healthcheck.outputs.baseline_text import render_baseline_text
+
+        print(render_baseline_text(baselines.load_baseline(args.path)))
         return int(ExitCode.PASS)
     if args.baseline_command == "update":
         built = baselines.baseline_from_runs(args.run_dirs, reason=args.reason, approved_by=args.approved_by)
         output = args.output or built.config_snapshot_baseline_path()
     else:
         from healthcheck.config import load_config
-        from healthcheck.recording import record_baseline
+        from healthcheck.run.recording import record_baseline
 
         if args.repeats < 3:
             raise InvalidInput(f"--repeats: at least 3 probes are needed to fit an envelope, got {args.repeats}")
@@ -163,13 +168,13 @@ def cmd_compare(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from healthcheck.report import render_run
+    from healthcheck.gate import rerender
 
-    return render_run(args.run_dir, None)
+    return rerender(args.run_dir)
 
 
 def cmd_scenarios(args) -> int:
-    from healthcheck import scenarios
+    from healthcheck.run import scenarios
 
     if args.scenarios_command == "list":
         scenarios.print_catalogue()
@@ -187,15 +192,6 @@ COMMANDS = {
 }
 
 
-def one_line(text: str) -> str:
-    """Escape line breaks so a message prints as exactly one line.
-
-    >>> one_line("a\\nb")
-    'a\\\\nb'
-    """
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -205,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         # One line, always: a CI log reader greps for it, and user text can carry newlines.
         print(f"healthcheck: error: {one_line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
+    except BrokenPipeError:
+        # `healthcheck baseline show X | head`: the reader left; that is not an error of ours. Before
+        # OSError, which it subclasses. stdout goes to /dev/null so the interpreter's final flush
+        # does not raise again on the closed pipe.
+        _silence_stdout()
+        return int(ExitCode.PASS)
     except OSError as exc:
         # Output that cannot be written (disk full, read-only mount) after the inputs were accepted.
         where = f"{exc.filename}: " if exc.filename else ""
@@ -213,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("healthcheck: interrupted", file=sys.stderr)
         return int(ExitCode.PROBE_FAILED)
-    except BrokenPipeError:
-        # `healthcheck baseline show X | head`: the reader left; that is not an error of ours.
-        sys.stderr.close()
-        return int(ExitCode.PASS)
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (pytest capture): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

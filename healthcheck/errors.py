@@ -1,7 +1,7 @@
 """Exit codes and the exceptions that map onto them.
 
 Every failure a user can cause or meet ends in exactly one of these codes; the CLI turns the
-exception into a one-line message and never shows a traceback for them.
+exception into a one-line message (:func:`one_line`) and never shows a traceback for them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,18 @@ class ExitCode(enum.IntEnum):
     INCONSISTENT = 1  #: silent inconsistency detected: an envelope violated or an audit failed
     INVALID_INPUT = 2  #: bad config, bad/corrupt/missing baseline, unwritable output
     PROBE_FAILED = 3  #: the probe could not finish: a worker crashed, hung or was interrupted
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines included) collapsed to one space.
+
+    CI log readers grep for the one ``healthcheck: error:`` line, and user text (a YAML error, a
+    script's exception) can carry newlines.
+
+    >>> one_line("a\\n  b\\tc ")
+    'a b c'
+    """
+    return " ".join(str(text).split())
 
 
 class HealthcheckError(Exception):
@@ -43,8 +55,16 @@ class BaselineError(InvalidInput):
 
 
 class ProbeFailed(HealthcheckError):
-    """The probe did not finish (exit 3): crash, hang, timeout or interrupt."""
+    """The probe did not finish (exit 3): crash, hang, timeout or interrupt.
+
+    Args:
+        message: One line naming the rank and step when known.
+        signals: ``rank -> signal number`` for workers the launcher saw die by a signal (they
+            leave no report of their own).
+    """
 
     exit_code = ExitCode.PROBE_FAILED
-    #: rank -> signal number, for workers the launcher saw die by a signal (they leave no report).
-    signals: dict[int, int] = {}
+
+    def __init__(self, message: str, signals: dict[int, int] | None = None):
+        super().__init__(message)
+        self.signals: dict[int, int] = dict(signals or {})

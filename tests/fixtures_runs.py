@@ -8,7 +8,7 @@ cosine to the mean gradient and its pairwise cosines sit well below the other ra
     result, verdict = write_fake_run(tmp_path)                     # FAIL, rank 0 off
     result, verdict = write_fake_run(tmp_path, outlier_rank=None)  # PASS
 
-The per-rank z-scores are computed here, independently of the package, as ``healthcheck.summary``
+The per-rank z-scores are computed here, independently of the package, as ``healthcheck.judge.summary``
 defines them (leave-one-out: each rank against the mean and population std of the *other* ranks).
 """
 
@@ -30,11 +30,11 @@ from healthcheck.artifacts import (
     RankSummary,
     RunResult,
     Timing,
-    json_safe,
     write_result,
 )
 from healthcheck.config import ProbeConfig
-from healthcheck.findings import ConfigChange, Finding, Verdict
+from healthcheck.finite import json_safe
+from healthcheck.judge.findings import ConfigChange, Finding, Verdict
 
 #: The envelopes the fake baseline holds, as (metric, statistic, lower, upper). A healthy run of
 #: the generator below sits inside every one; the S1-2 run falls outside the cosine ones.
@@ -107,7 +107,7 @@ def _verdict(summary: dict[str, MetricSummary], outlier_rank: Optional[int], ran
     seeds_differ = outlier_rank is not None
     findings.append(
         Finding(
-            check="audit.seed_agreement",
+            check="audit.seeds",
             title="every rank seeded alike",
             passed=not seeds_differ,
             message=(

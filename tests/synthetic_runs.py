@@ -6,8 +6,8 @@ import math
 import random
 
 from healthcheck.artifacts import Environment, MetricSummary, RankSummary, RunResult, Timing
-from healthcheck.baseline import Baseline, fit_baseline
 from healthcheck.config import ProbeConfig
+from healthcheck.judge.baseline import Baseline, fit_baseline
 
 #: metric -> (typical value, run-to-run spread, "log": multiplicative spread / "lin": additive spread)
 CLEAN = {

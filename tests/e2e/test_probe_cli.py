@@ -62,8 +62,8 @@ def test_seed_perturbation_really_changes_rank0_data(policy_runs):
 
 def test_local_model_dir_and_parquet(tmp_path):
     from healthcheck.config import ModelConfig
-    from healthcheck.data import synthetic_rows
-    from healthcheck.modeling import build_model, byte_level_tokenizer
+    from healthcheck.run.data import synthetic_rows
+    from healthcheck.run.modeling import build_model, byte_level_tokenizer
 
     model_dir = tmp_path / "model"
     tokenizer = byte_level_tokenizer()

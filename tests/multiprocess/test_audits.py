@@ -4,7 +4,7 @@ Three ranks train a small MLP under DDP. Clean DDP must keep the parameters bit-
 last layer has 10x the learning rate must be named, with that layer as the first differing tensor. The
 monitor's reduction check must report a rounding-sized error for the real all-reduce, and more than the
 rounding bound once the reduction is made lossy (bf16 compression). Workers are module-level functions
-that raise AssertionError, launched like torchrun through ``healthcheck.distributed.launch_local``.
+that raise AssertionError, launched like torchrun through ``healthcheck.run.launcher.launch_local``.
 
     python -m pytest tests/multiprocess/test_audits.py -q
 """
@@ -17,11 +17,12 @@ import math
 import pytest
 import torch
 
-from healthcheck import distributed
-from healthcheck import monitor as monitor_module
-from healthcheck.audit_checks import param_equality_audit, reduction_audit
-from healthcheck.audits import AuditRecorder
-from healthcheck.monitor import WorkerConsistencyMonitor
+from healthcheck.judge.exact_audits import param_equality_audit, reduction_audit
+from healthcheck.measure import distributed
+from healthcheck.measure import monitor as monitor_module
+from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.run import launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,24 +82,24 @@ def _check_param_equality() -> None:
     if rank != 0:
         assert clean is None and faulty is None, "only rank 0 receives the gathered evidence"
         return
-    assert [step for step, _ in clean["param_checks"]] == [0, 2, 3], "every 2nd step from 0, plus the last"
-    assert clean["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-    outcome = param_equality_audit(clean["param_checks"], clean["param_names"])
+    assert [step for step, _ in clean.param_checks] == [0, 2, 3], "every 2nd step from 0, plus the last"
+    assert clean.param_names == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    outcome = param_equality_audit(clean.param_checks, clean.param_names)
     assert outcome.passed and outcome.signature == "equal" and outcome.ranks == (), outcome
-    assert clean["param_drift"] == [], "equal hashes: the drift all-reduce never runs"
-    assert [step for step, _ in faulty["param_drift"]] == [0, 2, 3]
-    last = faulty["param_drift"][-1][1]
+    assert clean.param_drift == [], "equal hashes: the drift all-reduce never runs"
+    assert [step for step, _ in faulty.param_drift] == [0, 2, 3]
+    last = faulty.param_drift[-1][1]
     assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(last, expected_drift)), (last, expected_drift)
     assert max(range(WORLD), key=lambda r: last[r]) == FAULTY
 
-    outcome = param_equality_audit(faulty["param_checks"], faulty["param_names"], faulty["param_drift"])
+    outcome = param_equality_audit(faulty.param_checks, faulty.param_names, faulty.param_drift)
     assert not outcome.passed and outcome.ranks == (FAULTY,), outcome
     assert outcome.signature == "0-1|2", outcome.signature
     assert outcome.details["first_step"] == 0 and outcome.details["first_tensor"] == "4.weight", outcome.details
     assert outcome.message.startswith("rank 2's parameters differ from the majority (ranks 0-1) after step 0 "
                                       "(first differing tensor: 4.weight; 3/3 checks differ); rank 2's distance from "
                                       "the mean parameters grew from "), outcome.message
-    assert [p["consumed"] for p in faulty["per_rank"]] == [[(0, [s]) for s in range(4)]] * WORLD
+    assert [p.consumed for p in faulty.per_rank] == [[(0, [s]) for s in range(4)]] * WORLD
 
 
 def _reduction_extras(direction: str = "sketch", steps: int = 2) -> list[dict[str, list[float]]]:
@@ -123,8 +124,8 @@ def _reduction_extras(direction: str = "sketch", steps: int = 2) -> list[dict[st
         mean = distributed.all_gather_rows(local).to(torch.float64).mean(0)
         applied = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).to(torch.float64)
         expected = float((applied - mean).norm() / mean.norm())
-        mine = extras["reduction_rel_error"][distributed.rank()]
-        assert math.isclose(mine, expected, rel_tol=1e-6, abs_tol=1e-15), f"step {step}: {mine} != {expected}"
+        own_error = extras["reduction_rel_error"][distributed.rank()]
+        assert math.isclose(own_error, expected, rel_tol=1e-6, abs_tol=1e-15), f"step {step}: {own_error} != {expected}"
         out.append(extras)
         with torch.no_grad():
             for p, r in zip(ddp.module.parameters(), reference.parameters()):
@@ -199,4 +200,4 @@ def _worker() -> None:
 
 
 def test_parameter_hashes_and_reduction_numerics_on_three_ranks():
-    distributed.launch_local(_worker, WORLD, run_id="test-audits-3")
+    launcher.launch_local(_worker, WORLD, run_id="test-audits-3")

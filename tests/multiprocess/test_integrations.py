@@ -1,7 +1,7 @@
 """HealthcheckCallback inside a real ``transformers.Trainer`` DDP run: 2 CPU/gloo ranks, tiny GPT-2.
 
 Workers are module-level functions launched like torchrun through
-``healthcheck.distributed.launch_local``; the Trainer builds its own process group (accelerate) and
+``healthcheck.run.launcher.launch_local``; the Trainer builds its own process group (accelerate) and
 DDP wrapper from the launcher's environment, exactly as under torchrun.
 
     python -m pytest tests/multiprocess/test_integrations.py -q
@@ -13,11 +13,11 @@ import math
 
 import pytest
 
-from healthcheck import distributed
-from healthcheck.baseline import Baseline, save_baseline
-from healthcheck.envelope import Envelope
 from healthcheck.errors import BaselineError
-from healthcheck.integrations import EnvelopeCheck, envelope_checks
+from healthcheck.integrations.live_envelopes import WindowEnvelope, window_envelopes
+from healthcheck.judge.baseline import Baseline, save_baseline
+from healthcheck.judge.envelope import Envelope
+from healthcheck.run import launcher
 
 SEQ_LEN = 24
 BATCH = 2
@@ -28,8 +28,8 @@ LOSS_TOKENS_PER_STEP = BATCH * GRAD_ACCUM * (SEQ_LEN - 1)  # no padding: every s
 
 def _dataset(rank_count: int = 64):
     """Fixed-length causal-LM rows (labels = input_ids) from the built-in synthetic alpaca data."""
-    from healthcheck.data import synthetic_rows
-    from healthcheck.modeling import byte_level_tokenizer
+    from healthcheck.run.data import synthetic_rows
+    from healthcheck.run.modeling import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     rows = []
@@ -51,7 +51,7 @@ def trainer_worker(output_dir: str, options: dict) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from healthcheck.integrations import HealthcheckCallback
-    from healthcheck.modeling import PRESETS
+    from healthcheck.run.modeling import PRESETS
 
     tokenizer, rows = _dataset()
     args = TrainingArguments(
@@ -78,7 +78,7 @@ def _healthcheck_rows(log_history):
 
 @pytest.mark.multiprocess
 def test_callback_logs_consistency_metrics_through_the_trainer(tmp_path):
-    out = distributed.launch_local(trainer_worker, 2, (str(tmp_path), {}), run_id="hc-callback-log")
+    out = launcher.launch_local(trainer_worker, 2, (str(tmp_path), {}), run_id="hc-callback-log")
     first, second = out[0], out[1]
     rows = _healthcheck_rows(first["log_history"])
     assert first["global_step"] == MAX_STEPS
@@ -113,7 +113,7 @@ def test_stop_on_violation_stops_every_rank_early(tmp_path):
         "envelopes": {"cosine_mean": (1.5, 2.0)}, "stop_on_violation": True,
         "warmup_steps": 1, "window_steps": 3, "min_window_steps": 2,
     }
-    out = distributed.launch_local(trainer_worker, 2, (str(tmp_path), options), run_id="hc-callback-stop")
+    out = launcher.launch_local(trainer_worker, 2, (str(tmp_path), options), run_id="hc-callback-stop")
     # Steps 0 (warmup) and 1, 2 fill the window; the check fails at the end of step index 2.
     for rank in (0, 1):
         assert out[rank]["global_step"] == 3 < MAX_STEPS
@@ -140,26 +140,26 @@ def _baseline() -> Baseline:
 
 def test_envelopes_from_a_baseline_file_keep_each_statistic(tmp_path):
     save_baseline(_baseline(), tmp_path / "job.json")
-    checks = envelope_checks(str(tmp_path / "job.json"))
-    assert checks == [EnvelopeCheck("loss_range", "p95", 0.05, 0.2), EnvelopeCheck("cosine_mean", "median", 0.7, 0.9)]
-    assert envelope_checks(_baseline()) == checks
+    checks = window_envelopes(str(tmp_path / "job.json"))
+    assert checks == [WindowEnvelope("loss_range", "p95", 0.05, 0.2), WindowEnvelope("cosine_mean", "median", 0.7, 0.9)]
+    assert window_envelopes(_baseline()) == checks
 
 
 def test_a_missing_baseline_file_is_a_baseline_error(tmp_path):
     with pytest.raises(BaselineError, match="no baseline found"):
-        envelope_checks(tmp_path / "missing.json")
+        window_envelopes(tmp_path / "missing.json")
 
 
 def test_plain_bounds_are_judged_on_the_median_and_validated():
-    assert envelope_checks({"grad_norm_cv": (0.0, 0.3)}) == [EnvelopeCheck("grad_norm_cv", "median", 0.0, 0.3)]
+    assert window_envelopes({"grad_norm_cv": (0.0, 0.3)}) == [WindowEnvelope("grad_norm_cv", "median", 0.0, 0.3)]
     with pytest.raises(ValueError, match="unknown metric 'grad_cv'"):
-        envelope_checks({"grad_cv": (0.0, 0.3)})
+        window_envelopes({"grad_cv": (0.0, 0.3)})
     with pytest.raises(ValueError, match="lower 0.5 is above upper 0.1"):
-        envelope_checks({"loss_std": (0.5, 0.1)})
+        window_envelopes({"loss_std": (0.5, 0.1)})
 
 
 def test_a_check_judges_its_statistic_over_the_window():
     spikes = [0.1] * 18 + [5.0] * 2  # one step in ten far off: the median hides it, the p95 does not
-    assert EnvelopeCheck("loss_range", "median", 0.0, 1.0).fails(spikes) is None
-    assert "p95" in EnvelopeCheck("loss_range", "p95", 0.0, 1.0).fails(spikes)
-    assert EnvelopeCheck("loss_range", "p95", 0.0, 1.0).fails([None, float("nan")]) is None
+    assert WindowEnvelope("loss_range", "median", 0.0, 1.0).fails(spikes) is None
+    assert "p95" in WindowEnvelope("loss_range", "p95", 0.0, 1.0).fails(spikes)
+    assert WindowEnvelope("loss_range", "p95", 0.0, 1.0).fails([None, float("nan")]) is None

@@ -3,7 +3,7 @@
 Each rank computes its local gradient a second time on a plain (non-DDP) copy of the module with
 ``torch.autograd.grad``, summed over micro-steps; the reference all-gathers those full gradients
 and computes every metric in float64. Workers are module-level functions that raise
-AssertionError, launched like torchrun through ``healthcheck.distributed.launch_local``.
+AssertionError, launched like torchrun through ``healthcheck.run.launcher.launch_local``.
 
     python -m pytest tests/multiprocess/test_monitor.py -q
 """
@@ -18,8 +18,9 @@ import math
 import pytest
 import torch
 
-from healthcheck import distributed
-from healthcheck.monitor import WorkerConsistencyMonitor
+from healthcheck.measure import distributed
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.run import launcher
 
 SKETCH_DIM = 4096
 # Four standard deviations of the sketch cosine error bound sqrt(2/k) stated in monitor.py.
@@ -248,9 +249,9 @@ def test_rejects_a_model_that_is_not_ddp():
 
 @pytest.mark.multiprocess
 def test_monitor_matches_reference_on_four_ranks():
-    distributed.launch_local(_four_rank_worker, 4, run_id="test-monitor-4")
+    launcher.launch_local(_four_rank_worker, 4, run_id="test-monitor-4")
 
 
 @pytest.mark.multiprocess
 def test_monitor_matches_reference_on_eight_ranks():
-    distributed.launch_local(_eight_rank_worker, 8, run_id="test-monitor-8")
+    launcher.launch_local(_eight_rank_worker, 8, run_id="test-monitor-8")

@@ -24,8 +24,8 @@ import yaml
 
 from healthcheck.artifacts import MetricSummary, RunResult, Timing
 from healthcheck.config import ProbeConfig
-from healthcheck.integrations import main as integrations_main
-from healthcheck.integrations import openmetrics_from_result
+from healthcheck.outputs.openmetrics import main as integrations_main
+from healthcheck.outputs.openmetrics import openmetrics_from_result
 from tests.fixtures_runs import write_fake_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,10 +42,11 @@ RUNS_PVC = CI / "k8s" / "healthcheck-runs-pvc.yaml"
 
 
 def tool(name: str) -> str:
-    """Path of a linter from the test extra; skip (naming the fix) only when it is really absent."""
+    """Path of a linter from the test extra. A missing linter fails the test: a skip would let a broken
+    template pass CI on a machine where the install step was forgotten."""
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if not found:
-        pytest.skip(f"{name} is not installed; install the test extra: pip install -e '.[test]'")
+        pytest.fail(f"{name} is not installed; install the test extra: pip install -e '.[test]'")
     return found
 
 
@@ -278,7 +279,8 @@ def test_pytorchjob_shape_is_consistent():
 
 
 def _validate_kubernetes(resource: dict) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed; pip install -e '.[test]'")
+    import kubernetes_validate  # from the test extra; a missing one fails, never skips
+
     kubernetes_validate.validate(resource, kubernetes_validate.latest_version(), strict=True)
 
 
@@ -291,7 +293,8 @@ def test_pod_templates_and_volume_claim_match_the_kubernetes_schema():
 
 
 def test_kubernetes_schema_catches_a_broken_pod_template():
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    import kubernetes_validate
+
     template = _pytorchjob()["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     broken = yaml.safe_load(yaml.safe_dump(template))
     broken["spec"]["containers"][0]["volumeMount"] = broken["spec"]["containers"][0].pop("volumeMounts")
@@ -306,7 +309,8 @@ def test_pytorchjob_script_passes_shellcheck(tmp_path):
 
 @pytest.mark.parametrize(
     ("node_rank", "exit_codes", "expected", "judged"),
-    [("0", {}, 0, True), ("0", {"compare": 1}, 1, True), ("0", {"torchrun": 1}, 3, False), ("1", {"torchrun": 1}, 1, False), ("1", {}, 0, False)],
+    [("0", {}, 0, True), ("0", {"compare": 1}, 1, True), ("0", {"torchrun": 1}, 3, False), ("1", {"torchrun": 1}, 1, False),
+     ("1", {}, 0, False)],
     ids=["master-pass", "master-inconsistent", "master-launch-failed", "worker-failed", "worker-done"],
 )
 def test_pytorchjob_master_exit_code_is_healthchecks(tmp_path, node_rank, exit_codes, expected, judged):
@@ -328,7 +332,8 @@ def test_pytorchjob_master_exit_code_is_healthchecks(tmp_path, node_rank, exit_c
 
 
 def _families(text: str) -> dict:
-    parser = pytest.importorskip("prometheus_client.openmetrics.parser", reason="prometheus-client is not installed")
+    from prometheus_client.openmetrics import parser
+
     return {family.name: family for family in parser.text_string_to_metric_families(text)}
 
 
@@ -372,7 +377,8 @@ def test_openmetrics_leaves_out_missing_statistics_of_a_crashed_run():
     text = openmetrics_from_result(result)
     families = _families(text)
     assert "healthcheck_cosine_mean" not in families and "healthcheck_world_size" not in families
-    assert {s.labels["statistic"]: s.value for s in families["healthcheck_loss_std"].samples} == {"median": 0.5, "p95": float("inf"), "min": 0.25}
+    samples = {s.labels["statistic"]: s.value for s in families["healthcheck_loss_std"].samples}
+    assert samples == {"median": 0.5, "p95": float("inf"), "min": 0.25}
     assert families["healthcheck_probe_complete"].samples[0].value == 0.0
     assert 'healthcheck_loss_std{probe="crash.probe-1",statistic="p95"} +Inf' in text.splitlines()
 

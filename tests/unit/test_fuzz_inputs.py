@@ -7,6 +7,7 @@ is ``FUZZ_EXAMPLES`` per strategy (four strategies): the README quotes the total
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -17,9 +18,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from healthcheck.baseline import save_baseline
 from healthcheck.cli import main
 from healthcheck.config import ProbeConfig, dump_yaml
+from healthcheck.judge.baseline import save_baseline
 from tests.synthetic_runs import fitted
 
 FUZZ_EXAMPLES = 250
@@ -54,11 +55,17 @@ def assert_clean_outcome(code: int, stderr: str, path: Path) -> None:
         assert "Traceback" not in stderr
 
 
+#: One folder for every case of the session, emptied case by case and removed at exit: hypothesis runs
+#: 1,000 examples, and a temp file per example used to be left behind in /tmp.
+_CASES = tempfile.TemporaryDirectory(prefix="healthcheck-fuzz-")
+atexit.register(_CASES.cleanup)
+
+
 def write_temp(content: bytes, suffix: str) -> Path:
-    handle = tempfile.NamedTemporaryFile(delete=False, suffix=suffix)
-    handle.write(content)
-    handle.close()
-    return Path(handle.name)
+    """The case's input file; each call replaces the previous one (same name per suffix)."""
+    path = Path(_CASES.name) / f"case{suffix}"
+    path.write_bytes(content)
+    return path
 
 
 @FUZZ
@@ -86,9 +93,9 @@ def test_truncated_or_mutated_config(cut, junk, section, field, value):
 
 
 def _valid_baseline_bytes() -> bytes:
-    folder = Path(tempfile.mkdtemp())
-    save_baseline(fitted(), folder / "default.json")
-    return (folder / "default.json").read_bytes()
+    with tempfile.TemporaryDirectory() as folder:
+        save_baseline(fitted(), Path(folder) / "default.json")
+        return (Path(folder) / "default.json").read_bytes()
 
 
 VALID_BASELINE = _valid_baseline_bytes()
@@ -132,3 +139,8 @@ def test_truncated_or_hand_edited_baseline(cut, leaf, value, delete):
     path = write_temp(json.dumps(data, default=str).encode(), ".json")
     code, stderr = run_main(["baseline", "show", str(path)])
     assert_clean_outcome(code, stderr, path)
+
+
+def test_fuzzing_leaves_no_files_behind():
+    # Every case writes into the one session folder, overwriting the last case's file.
+    assert {p.name for p in Path(_CASES.name).iterdir()} <= {"case.yaml", "case.json"}

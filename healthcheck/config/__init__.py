@@ -1,0 +1,27 @@
+"""The probe's configuration: typed sections (:mod:`.schema`) and how a file becomes one (:mod:`.loading`)."""
+
+from healthcheck.config.loading import apply_set, dump_yaml, json_schema, load_config, parse_set, read_yaml_mapping
+from healthcheck.config.schema import (
+    ALPACA_PROMPT,
+    ALPACA_PROMPT_NO_INPUT,
+    NAME_PATTERN,
+    OVERRIDABLE_SECTIONS,
+    RANK0_SEED_OFFSET,
+    DataConfig,
+    DistributedConfig,
+    FaultConfig,
+    MetricsConfig,
+    ModelConfig,
+    ProbeConfig,
+    TrainConfig,
+    deep_merge,
+    effective_seed,
+    resolve_for_rank,
+)
+
+__all__ = [
+    "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "NAME_PATTERN", "OVERRIDABLE_SECTIONS", "RANK0_SEED_OFFSET",
+    "DataConfig", "DistributedConfig", "FaultConfig", "MetricsConfig", "ModelConfig", "ProbeConfig", "TrainConfig",
+    "apply_set", "deep_merge", "dump_yaml", "effective_seed", "json_schema", "load_config", "parse_set",
+    "read_yaml_mapping", "resolve_for_rank",
+]

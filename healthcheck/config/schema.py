@@ -1,0 +1,324 @@
+"""The probe's typed configuration: the pydantic sections, and how a rank resolves its own config.
+
+Defaults live here, once: ``ProbeConfig()`` *is* the embedded default probe (a tiny GPT-2 on built-in
+synthetic alpaca data, 8 CPU workers). Errors name the file and the field::
+
+    >>> from pydantic import ValidationError
+    >>> from healthcheck.typed import format_validation_error
+    >>> try:
+    ...     ProbeConfig.model_validate({"train": {"steps": "many"}})
+    ... except ValidationError as exc:
+    ...     print(format_validation_error(exc, "probe.yaml"))
+    probe.yaml: train.steps: Input should be a valid integer, unable to parse string as an integer (got 'many')
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from healthcheck.typed import field_path
+
+#: Offset added to rank 0's seed under ``seed_policy: rank0_differs``. With the default seed 42 rank 0
+#: gets 1041, the value the S1-2 setting of arXiv 2602.14462 used.
+RANK0_SEED_OFFSET = 999
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which causal LM to fine-tune."""
+
+    name: str = Field(
+        "tiny-gpt2",
+        description=(
+            "A built-in preset (tiny-gpt2, tiny-llama, small-gpt2, llama-1b; random init, no download), "
+            "a local Hugging Face model directory (a path), or a hub id of the form org/name."
+        ),
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the model weights (and so of the gradient buckets)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow custom modelling code from the model directory. Never turned on implicitly."
+    )
+
+
+class DataConfig(_Section):
+    """Where the instruction data comes from and how it becomes labelled token sequences."""
+
+    source: Literal["synthetic", "json", "datasets"] = Field(
+        "synthetic",
+        description=(
+            "synthetic: built-in deterministic alpaca-format data; json: an alpaca JSON list or JSONL file at "
+            "`path`; datasets: `datasets.load_dataset` on a local parquet/JSON file or directory at `path`, "
+            "or a hub dataset name."
+        ),
+    )
+    path: Optional[str] = Field(None, description="File, directory or dataset name for source json/datasets.")
+    split: str = Field("train", description="Dataset split for source datasets.")
+    synthetic_samples: int = Field(4096, ge=16, description="Rows generated for source synthetic.")
+    max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows (None: all).")
+    prompt_template: str = Field(ALPACA_PROMPT, description="Prompt for rows with an input; uses {instruction}, {input}.")
+    prompt_template_no_input: str = Field(
+        ALPACA_PROMPT_NO_INPUT, description="Prompt for rows with an empty input; uses {instruction}."
+    )
+    response_only_loss: bool = Field(
+        True, description="Mask prompt and padding tokens to -100 so only response tokens carry loss."
+    )
+    max_length: int = Field(1024, ge=8, description="Truncate prompt+response to this many tokens.")
+    sharding: Literal["distributed", "replicated"] = Field(
+        "distributed",
+        description="distributed: each rank reads its own shard (DistributedSampler); replicated: every rank "
+        "reads the same samples (a collapsed effective batch; used to test the guard).",
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> "DataConfig":
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"path is required when source is {self.source!r}")
+        return self
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_fields(cls, value: str) -> str:
+        if "{instruction}" not in value:
+            raise ValueError("must contain {instruction}")
+        return value
+
+
+class TrainConfig(_Section):
+    """The training step under test."""
+
+    steps: int = Field(60, ge=1, le=100_000, description="Optimizer steps in the probe.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per rank per micro-step.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step (no_sync on all but the last).")
+    lr: float = Field(1e-3, gt=0, le=10.0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr_warmup_steps: int = Field(5, ge=0, description="Linear learning-rate warmup steps.")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the all-reduced gradient norm (None: off).")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 autocast for forward/backward.")
+    seed: int = Field(42, ge=0, lt=2**32, description="Seed for python, numpy and torch (dropout, init).")
+    data_seed: Optional[int] = Field(
+        None, ge=0, lt=2**32, description="Sampler shuffle seed; None follows this rank's effective `seed`, as transformers' Trainer does."
+    )
+    shuffle: bool = Field(True, description="Shuffle the sampler order each epoch.")
+    set_epoch: bool = Field(True, description="Call sampler.set_epoch at each epoch boundary (False reproduces the missing-set_epoch bug).")
+    loss_scale: float = Field(
+        1.0, gt=0, description="Multiply this rank's loss before backward (≠1 models a gradient-accumulation normalisation mismatch)."
+    )
+
+
+class DistributedConfig(_Section):
+    """How the workers are laid out and talk to each other."""
+
+    nproc: int = Field(8, description="Workers on this node when healthcheck launches them itself (>= 2).")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="auto: cuda with one GPU per local worker, else cpu. npu is used only when asked for."
+    )
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = Field("auto", description="auto maps cpu→gloo, cuda→nccl, npu→hccl.")
+    timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="Collective timeout, and the watchdog's limit on a probe making no progress."
+    )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="Limit from launch until every worker has joined the process group. A worker that misses it "
+        "is stuck before training (nothing was measured yet), so the probe relaunches once, then fails with exit 3.",
+    )
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size.")
+    gradient_as_bucket_view: bool = Field(False, description="DDP gradient_as_bucket_view.")
+
+    @field_validator("nproc")
+    @classmethod
+    def _at_least_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(f"must be >= 2 to measure worker consistency, got {value}")
+        return value
+
+
+class MetricsConfig(_Section):
+    """What the monitor measures."""
+
+    warmup_steps: int = Field(10, ge=0, description="Steps excluded from the window statistics.")
+    every: int = Field(1, ge=1, description="Sample the metrics every k-th step.")
+    direction: Literal["exact", "sketch"] = Field(
+        "sketch", description="Pairwise cosine: exact Gram matrix, or a count-sketch of sketch_dim dims."
+    )
+    sketch_dim: int = Field(4096, ge=16, le=1 << 20, description="Sketch dimension k for direction=sketch.")
+    param_check_every: int = Field(
+        10, ge=1, description="Hash every rank's parameters bit for bit after every k-th optimizer step (from step 0) "
+        "and after the last one, and compare them (the param_equality audit)."
+    )
+    reduction_check_every: int = Field(
+        10, ge=0, description="Compare the all-reduced gradient with a float64 mean of the gathered local gradients "
+        "every k-th step (0: never); a multiple of `every`. Costs one chunked gather of the gradients per check."
+    )
+    straggler_factor: float = Field(
+        1.035, gt=1, description="A rank is a straggler when the median, over steps, of its step time divided by the "
+        "other ranks' median is at least this, and it is persistently slower (straggler_max_p). Tuned on the CPU probe "
+        "(healthy ranks reached 1.030 on 2 shared cores, a 50 ms straggler 1.047-1.10); on GPUs, whose clocks differ "
+        "by a few percent, 1.1 avoids flagging healthy devices."
+    )
+    straggler_max_p: float = Field(
+        1e-4, gt=0, lt=1, description="Persistence: a straggler must be slower than the other ranks' median in so many "
+        "steps that a rank no slower than the others does that with probability <= this (one-sided sign test)."
+    )
+
+    rank_outlier_max_p: float = Field(
+        1e-6, gt=0, lt=1, description="The rank_outliers audit names a rank that holds the highest or lowest loss, "
+        "gradient norm, cosine to the mean or token count in so many steps that ranks reading shards of one dataset "
+        "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms."
+    )
+
+    @model_validator(mode="after")
+    def _reduction_on_sampled_steps(self) -> "MetricsConfig":
+        # The reduction check rides on the monitor's per-step gather, which runs on sampled steps only.
+        if self.reduction_check_every % self.every:
+            raise ValueError(
+                f"reduction_check_every: must be 0 or a multiple of every ({self.every}), got {self.reduction_check_every}"
+            )
+        return self
+
+
+class FaultConfig(_Section):
+    """Deliberate faults for the fault-injection suite; all off by default. Usually set per rank."""
+
+    grad_noise_std: float = Field(
+        0.0, ge=0, description="Add Gaussian noise (std relative to each gradient's RMS) to the local gradient before the all-reduce."
+    )
+    step_sleep_ms: float = Field(0.0, ge=0, le=60_000, description="Sleep this long in every step's compute.")
+    nan_at_step: Optional[int] = Field(None, ge=0, description="Make the local loss NaN at this step.")
+    crash_at_step: Optional[int] = Field(None, ge=0, description="Crash this rank at the start of this step (reliability tests).")
+    crash_mode: Literal["exception", "sigkill"] = Field(
+        "exception", description="How crash_at_step crashes: raise an exception, or SIGKILL the worker itself."
+    )
+    hang_at_step: Optional[int] = Field(None, ge=0, description="Sleep forever at the start of this step (a hung worker).")
+    startup_hang_launches: int = Field(
+        0, ge=0, le=100,
+        description="Sleep forever before joining the process group in the first N launches of the probe "
+        "(tests the distributed.startup_timeout_s relaunch).",
+    )
+
+
+#: Sections a rank override may change; the layout (distributed) and measurement (metrics) are global.
+OVERRIDABLE_SECTIONS = ("model", "data", "train", "faults")
+
+
+class ProbeConfig(_Section):
+    """A whole probe. ``ProbeConfig()`` is the embedded default."""
+
+    name: str = Field("default", pattern=NAME_PATTERN, description="Probe name: run directory and baseline file name.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model under test.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The data pipeline under test.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The training step under test.")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Worker layout.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Measurement settings.")
+    faults: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection (off by default).")
+    seed_policy: Literal["shared", "rank0_differs", "per_rank"] = Field(
+        "shared",
+        description="shared (S1-1): every rank uses train.seed; rank0_differs (S1-2): rank 0 uses "
+        f"seed+{RANK0_SEED_OFFSET}; per_rank (S1-3): rank r uses seed+r.",
+    )
+    rank_overrides: dict[int, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per-rank partial config, e.g. {0: {train: {seed: 1041}}}; sections: " + ", ".join(OVERRIDABLE_SECTIONS) + ".",
+    )
+    baseline: Optional[str] = Field(None, description="Baseline file; None: baselines/<name>.json.")
+
+    @model_validator(mode="after")
+    def _check_rank_overrides(self) -> "ProbeConfig":
+        for rank, override in self.rank_overrides.items():
+            if rank < 0 or rank >= self.distributed.nproc:
+                raise ValueError(f"rank_overrides: rank {rank} is outside the world (nproc={self.distributed.nproc})")
+            bad = sorted(map(str, set(override) - set(OVERRIDABLE_SECTIONS)))
+            if bad:
+                raise ValueError(
+                    f"rank_overrides.{rank}: cannot override {field_path(bad).replace('.', ', ')} "
+                    f"(allowed: {', '.join(OVERRIDABLE_SECTIONS)})"
+                )
+            _validate_override(self, rank, override)
+        return self
+
+    def baseline_path(self) -> Path:
+        return Path(self.baseline) if self.baseline else Path("baselines") / f"{self.name}.json"
+
+    def fingerprint(self) -> str:
+        """Short stable hash of the resolved config (for baselines and reports)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _validate_override(config: ProbeConfig, rank: int, override: dict[str, Any]) -> None:
+    merged = deep_merge(config.model_dump(exclude={"rank_overrides"}), override)
+    try:
+        ProbeConfig.model_validate(merged)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = field_path(first["loc"])
+        msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"rank_overrides.{rank}.{loc}: {msg}") from None
+
+
+def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with ``patch`` merged in, recursively.
+
+    >>> deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}})
+    {'a': {'b': 1, 'c': 3}}
+    """
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# --------------------------------------------------------------------------- per-rank resolution
+
+
+def effective_seed(config: ProbeConfig, rank: int) -> int:
+    """This rank's seed under ``seed_policy`` (before any explicit rank override)."""
+    if config.seed_policy == "rank0_differs" and rank == 0:
+        return config.train.seed + RANK0_SEED_OFFSET
+    if config.seed_policy == "per_rank":
+        return config.train.seed + rank
+    return config.train.seed
+
+
+def resolve_for_rank(config: ProbeConfig, rank: int) -> ProbeConfig:
+    """The config this rank actually trains with: seed policy first, then its explicit override.
+
+    >>> c = ProbeConfig(seed_policy="per_rank")
+    >>> resolve_for_rank(c, 3).train.seed
+    45
+    >>> resolve_for_rank(ProbeConfig(rank_overrides={0: {"train": {"lr": 0.01}}}), 0).train.lr
+    0.01
+    """
+    data = config.model_dump(exclude={"rank_overrides"})
+    data["train"]["seed"] = effective_seed(config, rank)
+    data = deep_merge(data, config.rank_overrides.get(rank, {}))
+    resolved = ProbeConfig.model_validate(data)
+    if resolved.train.data_seed is None:
+        resolved.train.data_seed = resolved.train.seed
+    return resolved

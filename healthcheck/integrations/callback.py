@@ -1,0 +1,233 @@
+"""Measure worker consistency inside a live ``transformers.Trainer`` job (every rank runs it)::
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    HealthcheckCallback.attach(trainer, envelopes="baselines/my-job.json", stop_on_violation=True)
+    trainer.train()   # torchrun --nproc_per_node 8 train.py
+
+Why ``attach`` takes the trainer: callbacks receive ``kwargs["model"]``, which is the *unwrapped*
+model; the DistributedDataParallel wrapper is ``trainer.model_wrapped``, created by
+``Trainer._prepare_for_training`` just before ``on_train_begin`` fires. The per-rank loss is not
+passed to callbacks either, so the callback also wraps ``trainer.compute_loss`` for the duration of
+training to tally each micro-batch's summed token loss and label-token count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import TrainerCallback
+
+from healthcheck.integrations.live_envelopes import step_aggregates, window_envelopes
+
+log = logging.getLogger(__name__)
+
+
+def _label_tokens(inputs: Mapping[str, Any], shifted: bool):
+    """Tokens that carry loss in one micro-batch, as a device tensor (no host sync), or None."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs.get("labels")
+        if labels is None:
+            return None
+        if shifted and labels.dim() >= 2:
+            labels = labels[..., 1:]
+    return (labels != -100).sum()
+
+
+class _LossTally:
+    """Sums each training micro-batch's token loss and loss-carrying tokens while training runs.
+
+    Wraps ``trainer.compute_loss`` (the token count and ``num_items_in_batch`` are known there) and
+    hooks the model's forward (its own ``outputs.loss``, copied before the Trainer rescales that
+    tensor in place by the world size). A causal LM's loss is sum/num_items_in_batch when the Trainer
+    passes that count (models that accept loss kwargs), else the micro-batch mean; multiplying back
+    gives the summed token loss exactly. A custom ``compute_loss_func`` or label smoothing leaves no
+    ``outputs.loss``; the loss ``compute_loss`` returns is then taken as the micro-batch mean.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.loss_sum = None
+        self.tokens = None
+        self._model_loss = None
+        self._had_instance_attr = "compute_loss" in vars(trainer)
+        self._original = trainer.compute_loss
+        trainer.compute_loss = self._compute_loss
+        self._hook = trainer.model.register_forward_hook(self._keep_model_loss)
+
+    def _keep_model_loss(self, module, args, output) -> None:
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        self._model_loss = loss.detach().float().clone() if loss is not None and module.training else None
+
+    def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:  # evaluation goes through compute_loss too
+            return self._original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        config = getattr(self.trainer.model, "config", None)
+        tokens = _label_tokens(inputs, shifted=not getattr(config, "is_encoder_decoder", False))
+        count = tokens if tokens is not None else 1
+        self._model_loss = None
+        returned = self._original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self._model_loss is not None:
+            passed = num_items_in_batch is not None and getattr(self.trainer, "model_accepts_loss_kwargs", False)
+            summed = self._model_loss * (num_items_in_batch if passed else count)
+        else:
+            loss = returned[0] if return_outputs else returned
+            summed = loss.detach().float().mean() * count
+        self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
+        self.tokens = count if self.tokens is None else self.tokens + count
+        return returned
+
+    def take(self):
+        """This rank's token-mean loss and token count since the last call; resets the tally."""
+        import torch
+
+        if self.loss_sum is None:
+            return float("nan"), None
+        tokens = torch.as_tensor(self.tokens)
+        loss = self.loss_sum / torch.clamp(tokens, min=1)
+        self.loss_sum = self.tokens = None
+        return loss, tokens
+
+    def restore(self) -> None:
+        self._hook.remove()
+        if self._had_instance_attr:
+            self.trainer.compute_loss = self._original
+        else:
+            del self.trainer.compute_loss
+
+
+class HealthcheckCallback(TrainerCallback):
+    """Measure worker consistency in a live ``transformers.Trainer`` DDP run; optionally stop on a violation.
+
+    The :class:`~healthcheck.measure.monitor.WorkerConsistencyMonitor` takes the DDP model's communication
+    hook at ``on_train_begin``. Each optimizer step it gathers the metrics in
+    ``on_pre_optimizer_step`` (after the last micro-step's synchronising backward, before
+    ``optimizer.step()``, so gradient accumulation is measured on the accumulated gradient), and in
+    ``on_step_end`` logs them through ``trainer.log`` as ``healthcheck/<metric>`` (so they reach
+    whatever ``report_to`` names, and ``trainer.state.log_history``).
+
+    With ``envelopes``, each envelope's statistic (median, p95, ...) over the last ``window_steps``
+    sampled steps after ``warmup_steps`` is checked once ``min_window_steps`` are in the window.
+    Violations are logged and collected in :attr:`violations`; with ``stop_on_violation`` the
+    callback sets ``control.should_training_stop``. Every rank sees the same gathered metrics, so all
+    ranks stop at the same step. Envelopes from a probe baseline only mean something for the job
+    they were recorded for: record a baseline from this job's own clean runs.
+
+    Args:
+        trainer: The ``Trainer`` (its ``model_wrapped`` is the DDP model; its ``compute_loss`` is wrapped).
+        direction, sketch_dim, every, seed: Passed to the monitor.
+        envelopes: A baseline path, a ``Baseline``, or ``{metric: (lower, upper)}`` judged on the median.
+        stop_on_violation: Stop training at the first violated envelope.
+        warmup_steps: Optimizer steps (0-based ``global_step``) excluded from the window.
+        window_steps: Trailing sampled steps the window statistic is taken over.
+        min_window_steps: Sampled steps needed before any envelope is judged.
+        log_prefix: Prefix of the logged keys.
+    """
+
+    def __init__(
+        self,
+        trainer,
+        *,
+        direction: str = "sketch",
+        sketch_dim: int = 4096,
+        every: int = 1,
+        seed: int = 0,
+        envelopes: Any = None,
+        stop_on_violation: bool = False,
+        warmup_steps: int = 10,
+        window_steps: int = 50,
+        min_window_steps: int = 10,
+        log_prefix: str = "healthcheck/",
+    ):
+        if min_window_steps < 1 or window_steps < min_window_steps:
+            raise ValueError(
+                f"min_window_steps: expected 1 <= min_window_steps <= window_steps, got {min_window_steps} and {window_steps}"
+            )
+        self.trainer = trainer
+        self.monitor_options: dict[str, Any] = {"direction": direction, "sketch_dim": sketch_dim, "every": every, "seed": seed}
+        self.checks = window_envelopes(envelopes)
+        self.stop_on_violation = stop_on_violation
+        self.warmup_steps, self.window_steps, self.min_window_steps = warmup_steps, window_steps, min_window_steps
+        self.log_prefix = log_prefix
+        self.monitor: Any = None
+        self.violations: list[str] = []
+        self.stopped_at_step: int | None = None
+        self._tally: _LossTally | None = None
+        self._pending: dict[str, float] | None = None
+        self._window: list[dict[str, float]] = []
+
+    @classmethod
+    def attach(cls, trainer, **options: Any) -> HealthcheckCallback:
+        """Create the callback for ``trainer`` and add it to the trainer's callbacks."""
+        callback = cls(trainer, **options)
+        trainer.add_callback(callback)
+        return callback
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+        wrapped = self.trainer.model_wrapped
+        if not isinstance(wrapped, DistributedDataParallel):
+            if args.world_size > 1:
+                kind = type(wrapped)
+                raise TypeError(
+                    "HealthcheckCallback needs DistributedDataParallel training; the Trainer wrapped the model in "
+                    f"{kind.__module__}.{kind.__qualname__}"
+                )
+            log.warning("HealthcheckCallback: a single process has no workers to compare; the callback does nothing")
+            return
+        self.monitor = WorkerConsistencyMonitor(wrapped, **self.monitor_options)
+        self._tally = _LossTally(self.trainer)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.monitor is None or self._tally is None:
+            return
+        loss, tokens = self._tally.take()
+        metrics = self.monitor.end_step(loss, tokens=tokens)  # a collective: every rank, every step
+        if metrics is None:
+            return
+        self._pending = step_aggregates(metrics)
+        if state.global_step >= self.warmup_steps:
+            self._window = [*self._window, self._pending][-self.window_steps:]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._pending is None:
+            return
+        logs = {f"{self.log_prefix}{name}": value for name, value in self._pending.items()}
+        self._pending = None
+        found = self._judge()
+        if found:
+            self.violations += found
+            logs[f"{self.log_prefix}violations"] = float(len(found))
+            if state.is_world_process_zero:
+                for message in found:
+                    log.warning("healthcheck: step %d: %s", state.global_step, message)
+            if self.stop_on_violation and self.stopped_at_step is None:
+                self.stopped_at_step = state.global_step
+                control.should_training_stop = True
+        # Trainer.log runs the on_log handler, which clears should_log: keep the flag that
+        # DefaultFlowCallback just set, or the Trainer's own loss line for this step is dropped.
+        should_log = control.should_log
+        self.trainer.log(logs)
+        control.should_log = self.trainer.control.should_log = should_log
+        return control
+
+    def _judge(self) -> list[str]:
+        if len(self._window) < self.min_window_steps:
+            return []
+        found = []
+        for check in self.checks:
+            message = check.fails([row.get(check.metric) for row in self._window])
+            if message:
+                found.append(message)
+        return found
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None and self._tally is not None:
+            self.monitor.close()
+            self._tally.restore()
+            self.monitor = self._tally = None

@@ -1,0 +1,85 @@
+"""After the run: the workers' evidence and the step files become ``result.audits``, one entry per audit.
+
+:func:`run_audits` computes the planned sampler order and hands everything to the pure audits
+(:mod:`.shard_audit`, :mod:`.exact_audits`, :mod:`.rank_outliers`); ``healthcheck.run.probe`` stores
+the outcome in ``result.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, WorkerReport
+from healthcheck.config import ProbeConfig
+from healthcheck.files import read_jsonl
+from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.exact_audits import (
+    SEED_FIELDS,
+    environment_audit,
+    nonfinite_audit,
+    param_equality_audit,
+    reduction_audit,
+    seed_audit,
+)
+from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
+from healthcheck.judge.shard_audit import data_shard_audit
+from healthcheck.measure.evidence import planned_shards
+
+
+def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
+               nonfinite: Sequence[NonFiniteEvent]) -> dict[str, dict[str, Any]]:
+    """Every audit's ``result.audits`` entry for a finished probe.
+
+    Args:
+        config: The global probe config (the shard plan follows *its* seed).
+        report: Rank 0's :class:`~healthcheck.artifacts.WorkerReport` (ranks, world size, audit evidence).
+        run_dir: The run directory (step files for the stragglers, reduction and non-finite audits).
+        nonfinite: ``RunResult.nonfinite`` events.
+    """
+    world = report.world_size
+    evidence = report.evidence
+    outcomes: dict[str, AuditOutcome] = {}
+    per_rank = evidence.per_rank
+    consumed = [rank_evidence.consumed for rank_evidence in per_rank]
+    epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
+    train = config.train
+    seed = train.data_seed if train.data_seed is not None else train.seed
+    plan = planned_shards(evidence.plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
+    outcomes["data_shards"] = data_shard_audit(consumed, plan)
+    outcomes["param_equality"] = param_equality_audit(evidence.param_checks, evidence.param_names, evidence.param_drift)
+    if report.ranks:
+        outcomes["seeds"] = seed_audit([
+            {**{field: getattr(info, field) for field in SEED_FIELDS},
+             "rng_start": rank_evidence.rng.get("rng_start", {}),
+             "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {})}
+            for info, rank_evidence in zip(report.ranks, per_rank, strict=True)
+        ])
+        outcomes["environment"] = environment_audit([
+            {"versions": info.versions, "env": info.env, "device_name": info.device_name, "precision": info.precision,
+             **rank_evidence.extra}
+            for info, rank_evidence in zip(report.ranks, per_rank, strict=True)
+        ])
+    events = [event.model_dump() for event in nonfinite]
+    outcomes["nonfinite"] = nonfinite_audit(events, world)
+    rows = list(read_jsonl(Path(run_dir) / STEPS_FILE))
+    # cycle_ms (from the previous gather, a moment all ranks share) when the step has it for every rank:
+    # compute_ms ends at the all-reduce, also shared, so a rank that merely starts late looks fast in it.
+    timing_by_step: dict[int, dict[str, list[float | None]]] = {}
+    for row in rows:
+        row_timing = timing_by_step.setdefault(row["step"], {"cycle_ms": [None] * world, "compute_ms": [None] * world})
+        for key in row_timing:
+            row_timing[key][row["rank"]] = row.get(key)
+    compute = {step: t["cycle_ms"] if all(v is not None for v in t["cycle_ms"]) else t["compute_ms"]
+               for step, t in timing_by_step.items()}
+    metrics = config.metrics
+    outcomes["stragglers"] = straggler_audit(compute, metrics.straggler_factor, metrics.straggler_max_p)
+    per_step: dict[int, dict[str, list[Any]]] = {}
+    for row in rows:
+        columns = per_step.setdefault(row["step"], {m: [None] * world for m in OUTLIER_METRICS})
+        for metric in OUTLIER_METRICS:
+            columns[metric][row["rank"]] = row.get(metric)
+    outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
+    checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
+    outcomes["reduction_numerics"] = reduction_audit(checked, world)
+    return {name: outcome.to_entry() for name, outcome in outcomes.items()}

@@ -1,0 +1,84 @@
+"""What every audit returns, and how audits group and name ranks.
+
+An :class:`AuditOutcome` carries a ``signature``: a seed-independent description of the observed
+state (a rank grouping such as ``"seed 0|1-7"``, or ``"disjoint"``). An audit passes when it meets
+the ideal expectation, or when the baseline approved exactly that signature (``Baseline.audits``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Mapping, Sequence
+
+from healthcheck.ranks import rank_span, ranks_phrase
+
+__all__ = ["AuditOutcome", "group_ranks", "grouping_text", "odd_ones_out", "partition_signature", "rank_span",
+           "ranks_phrase"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditOutcome:
+    """One audit's result: ideal or not, one sentence naming ranks, and a seed-independent signature."""
+
+    passed: bool
+    message: str
+    signature: str
+    ranks: tuple[int, ...] = ()
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_entry(self) -> dict[str, Any]:
+        """The ``result.audits[name]`` record (``details`` keys are flattened in beside the fixed ones)."""
+        return {**self.details, "passed": self.passed, "message": self.message, "ranks": list(self.ranks),
+                "signature": self.signature}
+
+
+# --------------------------------------------------------------------------- rank grouping
+
+
+def group_ranks(values: Sequence[Hashable]) -> list[list[int]]:
+    """Ranks grouped by equal value: largest group first, ties broken by the lowest rank.
+
+    >>> group_ranks(["a", "b", "b", "a", "b"])
+    [[1, 2, 4], [0, 3]]
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+
+
+def partition_signature(groups: Sequence[Sequence[int]]) -> str:
+    """Seed-independent name of a grouping: the groups' rank spans, ordered by lowest rank.
+
+    >>> partition_signature([[1, 2, 3], [0]])
+    '0|1-3'
+    """
+    return "|".join(rank_span(g) for g in sorted(groups, key=min))
+
+
+def odd_ones_out(groups: Sequence[Sequence[int]]) -> list[int]:
+    """Ranks outside a strict majority group; every rank when no group is strictly largest.
+
+    >>> odd_ones_out([[1, 2, 3], [0]]), odd_ones_out([[0], [1]])
+    ([0], [0, 1])
+    """
+    if len(groups) < 2:
+        return []
+    if len(groups[0]) > len(groups[1]):
+        return sorted(r for g in groups[1:] for r in g)
+    return sorted(r for g in groups for r in g)
+
+
+def grouping_text(groups: Sequence[Sequence[int]], value_of, noun: str) -> str:
+    """``ranks 1-7 share seed 42; rank 0 has 1041`` (or ``ranks 0-7 each have a different seed``)."""
+    if all(len(g) == 1 for g in groups):
+        values = ", ".join(str(value_of(g[0])) for g in sorted(groups, key=min))
+        return f"ranks {rank_span(r for g in groups for r in g)} each have a different {noun} ({values})"
+    parts = []
+    for group in groups:
+        value = value_of(group[0])
+        if len(group) > 1:
+            parts.append(f"{ranks_phrase(group)} share {noun} {value}")
+        else:
+            parts.append(f"{ranks_phrase(group)} has {value}")
+    return "; ".join(parts)

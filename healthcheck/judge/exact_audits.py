@@ -1,0 +1,237 @@
+"""The exact audits other than the data shards: seeds and RNG states, parameter equality, environment,
+non-finite values and reduction numerics. One pure function per audit, each returning an
+:class:`~healthcheck.judge.audit_outcome.AuditOutcome`.
+
+Nothing here touches a process group, a model or torch. The statistical audits (stragglers,
+rank_outliers) live in :mod:`healthcheck.judge.rank_outliers`, the shard audit in
+:mod:`healthcheck.judge.shard_audit`; :mod:`healthcheck.judge.assemble` feeds them all::
+
+    >>> seed_audit([{"rank": r, "seed": 1041 if r == 0 else 42} for r in range(8)]).message
+    'ranks 1-7 share seed 42; rank 0 has 1041'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from healthcheck.finite import is_finite_number
+from healthcheck.judge.audit_outcome import (
+    AuditOutcome,
+    group_ranks,
+    grouping_text,
+    odd_ones_out,
+    partition_signature,
+    rank_span,
+    ranks_phrase,
+)
+
+#: Field order of the seed audit: the first field on which ranks differ is the one the message names.
+SEED_FIELDS = ("seed", "sampler_seed", "torch_seed", "python_seed", "numpy_seed")
+
+
+# --------------------------------------------------------------------------- 2. seeds and RNG
+
+
+def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
+    """Do all ranks share their seeds and the RNG states they start training with?
+
+    Each rank's mapping holds the seeds in :data:`SEED_FIELDS` (any subset) and optionally
+    ``rng_start`` (generator -> state hash before the first step) and ``rng_after_first_step``.
+    The torch/cuda states *after* the first step are reported, not judged: dropout draws as many
+    numbers as the padded batch has elements, and that shape differs between ranks by design.
+    python and numpy states after the first step are judged (training draws nothing from them).
+    """
+    fields = [f for f in SEED_FIELDS if all(f in r for r in ranks)]
+    world = len(ranks)
+    everyone = list(range(world))
+    details: dict[str, Any] = {f: [r[f] for r in ranks] for f in fields}
+    for f in fields:
+        groups = group_ranks([r[f] for r in ranks])
+        if len(groups) > 1:
+            noun = f.replace("_", " ")
+            text = grouping_text(groups, lambda rank, f=f: ranks[rank][f], noun)
+            return AuditOutcome(False, text, f"{f} {partition_signature(groups)}", tuple(odd_ones_out(groups)), details)
+    for when, generators in (("rng_start", None), ("rng_after_first_step", ("python", "numpy"))):
+        for generator in sorted({g for r in ranks for g in r.get(when, {})}):
+            if generators is not None and generator not in generators:
+                continue
+            groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
+            if len(groups) > 1:
+                moment = "after seeding" if when == "rng_start" else "after the first step"
+                shared = f"{ranks_phrase(everyone)} share seed {ranks[0]['seed']}, but" if "seed" in fields else ""
+                odd = odd_ones_out(groups)
+                text = (f"{shared} the {generator} RNG state {moment} differs on {ranks_phrase(odd)} "
+                        f"(groups {partition_signature(groups)})").strip()
+                return AuditOutcome(False, text, f"{generator} {partition_signature(groups)}", tuple(odd), details)
+    seed = f"seed {ranks[0]['seed']}" if "seed" in fields and ranks else "their seeds"
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding",
+                        "shared", (), details)
+
+
+# --------------------------------------------------------------------------- 3. parameter equality
+
+
+def param_equality_audit(
+    checks: Sequence[tuple[int, Sequence[Sequence[int]]]],
+    names: Sequence[str],
+    drift: Sequence[tuple[int, Sequence[float]]] = (),
+) -> AuditOutcome:
+    """Are the parameters bit-identical across ranks at every check step?
+
+    Args:
+        checks: ``(step, hashes)`` per check, ``hashes[rank][tensor]`` an integer hash of that tensor's bits.
+        names: Parameter tensor names, in the hashes' column order.
+        drift: ``(step, distances)`` for the checks whose hashes differed, ``distances[rank]`` the rank's
+            relative distance from the rank-averaged parameters; it says how far and how fast they part.
+    """
+    if not checks:
+        return AuditOutcome(True, "no parameter check ran", "unchecked", ())
+    world = len(checks[0][1])
+    steps = [step for step, _ in checks]
+    mismatched = [(step, rows) for step, rows in checks if len({tuple(r) for r in rows}) > 1]
+    details: dict[str, Any] = {"check_steps": steps, "tensors": len(names), "mismatched_steps": [s for s, _ in mismatched]}
+    if not mismatched:
+        return AuditOutcome(True, f"parameters are bit-identical on {ranks_phrase(range(world))} at all {len(steps)} "
+                            f"checks (steps {_steps_text(steps)}; {len(names)} tensors)", "equal", (), details)
+    step, rows = mismatched[0]
+    groups = group_ranks([tuple(r) for r in rows])
+    odd = odd_ones_out(groups)
+    reference = rows[groups[0][0]]
+    column = min(t for r in odd for t in range(len(reference)) if rows[r][t] != reference[t])
+    tensor = names[column] if column < len(names) else f"#{column}"
+    details.update(first_step=step, first_tensor=tensor)
+    if len(groups[0]) > len(groups[1]):
+        lead = f"rank {odd[0]}'s parameters differ" if len(odd) == 1 else f"the parameters of {ranks_phrase(odd)} differ"
+        lead += f" from the majority ({ranks_phrase(groups[0])})"
+    else:
+        lead = f"parameters split the ranks into {len(groups)} groups ({partition_signature(groups)}) with no majority"
+    message = (f"{lead} after step {step} (first differing tensor: {tensor}; {len(mismatched)}/{len(steps)} checks "
+               f"differ){_drift_text(drift, odd, details)}; DDP averages gradients, not parameters, so a rank-local "
+               f"optimizer or learning-rate difference is never corrected")
+    return AuditOutcome(False, message, partition_signature(groups), tuple(odd), details)
+
+
+def _drift_text(drift: Sequence[tuple[int, Sequence[float]]], odd: Sequence[int], details: dict[str, Any]) -> str:
+    """``; rank 3's distance from the mean parameters grew from 1.0e-05 (step 0) to 2.0e-03 (step 59)``."""
+    if not drift:
+        return ""
+    details["drift"] = [{"step": int(step), "relative_distance": [float(d) for d in distances]} for step, distances in drift]
+    if not odd:
+        return ""
+    worst = max(odd, key=lambda r: drift[-1][1][r])
+    (first_step, first), (last_step, last) = drift[0], drift[-1]
+    if len(drift) == 1:
+        return f"; rank {worst} is {last[worst]:.1e} of the parameters' norm from the mean at step {last_step}"
+    verb = "grew" if last[worst] > first[worst] else "went"
+    return (f"; rank {worst}'s distance from the mean parameters {verb} from {first[worst]:.1e} (step {first_step}) "
+            f"to {last[worst]:.1e} (step {last_step}) of their norm")
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+
+
+# --------------------------------------------------------------------------- 4. environment
+
+
+#: Variables that differ between ranks by design (one device per rank), so they are not compared.
+PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
+UNSET = "<unset>"
+
+
+def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
+    """Do the ranks run the same software, devices, precision, determinism flags and comm variables?
+
+    Each mapping has ``versions`` (dict), ``device_name``, ``precision`` and ``env`` (dict) as in
+    :class:`healthcheck.artifacts.RankInfo`, plus any further scalar fields to compare.
+    """
+    table = [environment_fields(r) for r in ranks]
+    keys = sorted({k for row in table for k in row})
+    differing = []
+    for key in keys:
+        values = [row.get(key, UNSET) for row in table]
+        groups = group_ranks(values)
+        if len(groups) > 1:
+            differing.append((key, groups, values))
+    everyone = range(len(ranks))
+    if not differing:
+        first = table[0] if table else {}
+        comm = sum(1 for k in first if k.startswith("env."))
+        summary = ", ".join(f"{k.removeprefix('versions.')} {first[k]}" for k in ("versions.python", "versions.torch",
+                                                                                   "versions.transformers") if k in first)
+        return AuditOutcome(True, f"{ranks_phrase(everyone)} agree on {summary}, device {first.get('device_name', '?')}, "
+                            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_ variables",
+                            "uniform", (), {"compared": len(keys)})
+    parts, blamed = [], set()
+    for key, groups, values in differing:
+        name = key.removeprefix("versions.")
+        parts.append(f"{name} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups))
+        blamed.update(odd_ones_out(groups))
+    signature = "; ".join(f"{key} {partition_signature(groups)}" for key, groups, _ in differing)
+    return AuditOutcome(False, "; ".join(parts), signature, tuple(sorted(blamed)),
+                        {"differing": [key for key, _, _ in differing]})
+
+
+def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:
+    """One rank's comparable fields, flattened: ``versions.torch``, ``env.NCCL_ALGO``, ``precision``, ...
+
+    >>> environment_fields({"versions": {"torch": "2.13"}, "env": {"NCCL_ALGO": "ring", "CUDA_VISIBLE_DEVICES": "3"},
+    ...                     "precision": "bf16"})
+    {'versions.torch': '2.13', 'env.NCCL_ALGO': 'ring', 'precision': 'bf16'}
+    """
+    out = {f"versions.{k}": str(v) for k, v in (rank.get("versions") or {}).items()}
+    out.update({f"env.{k}": str(v) for k, v in (rank.get("env") or {}).items() if k not in PER_RANK_ENV})
+    for key, value in rank.items():
+        if key not in ("versions", "env") and isinstance(value, (str, int, float, bool)):
+            out[key] = str(value)
+    return out
+
+
+# --------------------------------------------------------------------------- 5. non-finite
+
+
+def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int) -> AuditOutcome:
+    """Fail on the first NaN/Inf loss or local gradient of each rank (``result.nonfinite``)."""
+    if not events:
+        return AuditOutcome(True, f"losses and local gradients stayed finite on {ranks_phrase(range(world_size))} "
+                            f"at every sampled step", "finite", ())
+    ordered = sorted(events, key=lambda e: (e["step"], e["rank"]))
+    parts = [f"rank {e['rank']}'s {e['what']} went NaN/Inf first at step {e['step']}" for e in ordered]
+    ranks = sorted({e["rank"] for e in ordered})
+    return AuditOutcome(False, "; ".join(parts) + " (the probe stopped there)", f"nonfinite {rank_span(ranks)}",
+                        tuple(ranks), {"events": [dict(e) for e in ordered]})
+
+
+# --------------------------------------------------------------------------- 6. reduction numerics
+
+
+def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> AuditOutcome:
+    """Is the all-reduced mean gradient the float64 mean of the local gradients, up to rounding?
+
+    Each row is one checked step from ``aggregates.jsonl``: ``reduction_rel_error`` (relative L2
+    error of the worst rank's reduced gradient against the float64 mean), ``reduction_bound_ratio``
+    (that error over the worst case a correct sum in the bucket dtype can round to, so > 1 cannot be
+    rounding) and ``reduction_worst_rank``. Steps where a local gradient was NaN/Inf carry None and
+    are left to the non-finite audit.
+    """
+    checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
+    if not checked:
+        return AuditOutcome(True, "reduction numerics not checked (metrics.reduction_check_every is 0 or no finite "
+                            "check step)", "unchecked", ())
+    worst = max(checked, key=lambda r: r["reduction_bound_ratio"])
+    max_error = max(r["reduction_rel_error"] for r in checked)
+    details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error,
+               "max_bound_ratio": worst["reduction_bound_ratio"]}
+    if worst["reduction_bound_ratio"] <= 1:
+        return AuditOutcome(True, f"the all-reduced gradient matches the float64 mean of the local gradients on "
+                            f"{ranks_phrase(range(world_size))} within rounding: max relative error {max_error:.2g} over "
+                            f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
+                            f"worst-case rounding bound", "within-bound", (), details)
+    rank = worst.get("reduction_worst_rank")
+    ranks = (int(rank),) if rank is not None and is_finite_number(rank) else ()
+    who = f" on rank {ranks[0]}" if ranks else ""
+    return AuditOutcome(False, f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
+                        f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
+                        f"{worst['reduction_bound_ratio']:.3g}x the worst case of rounding a correct sum over "
+                        f"{world_size} ranks: a lossy reduction (e.g. bf16 compression) or a corrupted one",
+                        "exceeds-bound", ranks, details)

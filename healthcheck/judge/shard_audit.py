@@ -1,0 +1,146 @@
+"""The data-shard audit: did the ranks read disjoint shards in the planned order, epoch after epoch?
+
+Pure analysis of what each rank consumed against the plan (torch's own DistributedSampler with the
+shared seed, ``set_epoch`` each epoch); :mod:`healthcheck.judge.assemble` builds both.
+
+    >>> data_shard_audit([[(0, [1, 2])], [(0, [1, 2])]], {(0, 0): [1, 2], (1, 0): [3, 4]}).signature
+    'identical'
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping, Sequence
+
+from healthcheck.judge.audit_outcome import AuditOutcome, rank_span, ranks_phrase
+
+
+def flatten_epochs(batches: Sequence[tuple[int, Sequence[int]]]) -> dict[int, list[int]]:
+    """One rank's consumed micro-batches ``[(epoch, sample_ids), ...]`` as ``{epoch: ids in order}``.
+
+    >>> flatten_epochs([(0, [3, 1]), (0, [2]), (1, [1])])
+    {0: [3, 1, 2], 1: [1]}
+    """
+    out: dict[int, list[int]] = {}
+    for epoch, ids in batches:
+        out.setdefault(int(epoch), []).extend(int(i) for i in ids)
+    return out
+
+
+def first_departure(consumed: Sequence[int], planned: Sequence[int]) -> int | None:
+    """Index of the first sample that differs from the plan (or runs past it); None when it follows it.
+
+    >>> first_departure([5, 2, 9], [5, 2, 7, 1]), first_departure([5, 2], [5, 2, 7])
+    (2, None)
+    """
+    for index, sample in enumerate(consumed):
+        if index >= len(planned) or planned[index] != sample:
+            return index
+    return None
+
+
+def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]]) -> list[int]:
+    """Per rank, how many of its samples some other rank also consumed in the same epoch.
+
+    >>> shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [4, 5]}])
+    [1, 1, 0]
+    """
+    shared = [0] * len(per_rank)
+    epochs = {e for rank in per_rank for e in rank}
+    for epoch in epochs:
+        counts = Counter(i for rank in per_rank for i in set(rank.get(epoch, ())))
+        for r, rank in enumerate(per_rank):
+            shared[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] > 1)
+    return shared
+
+
+def plan_coverage(per_rank: Sequence[Mapping[int, Sequence[int]]], plan: Mapping[tuple[int, int], Sequence[int]]) -> float:
+    """Fraction of the planned (epoch, sample) pairs, up to how far each rank got, that some rank consumed.
+
+    >>> plan_coverage([{0: [1, 1]}, {0: [1, 1]}], {(0, 0): [1, 2], (1, 0): [3, 4]})
+    0.25
+    """
+    planned: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int]] = set()
+    for r, rank in enumerate(per_rank):
+        for epoch, ids in rank.items():
+            planned.update((epoch, i) for i in plan.get((r, epoch), ())[: len(ids)])
+            seen.update((epoch, i) for i in ids)
+    return len(planned & seen) / len(planned) if planned else 1.0
+
+
+def data_shard_audit(
+    consumed: Sequence[Sequence[tuple[int, Sequence[int]]]], plan: Mapping[tuple[int, int], Sequence[int]]
+) -> AuditOutcome:
+    """Did the ranks read disjoint shards in the planned order, epoch after epoch?
+
+    Args:
+        consumed: Per rank, the micro-batches it trained on, in order, as ``(epoch, sample_ids)``.
+        plan: ``(rank, epoch) -> sample ids`` of the shared-seed DistributedSampler with ``set_epoch``.
+    """
+    per_rank = [flatten_epochs(batches) for batches in consumed]
+    world = len(per_rank)
+    totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
+    shared = shard_overlap(per_rank)
+    coverage = plan_coverage(per_rank, plan)
+    departures = {r: dep for r in range(world) if (dep := _rank_departure(per_rank[r], r, plan)) is not None}
+    repeats = {r: eps for r in range(world) if (eps := _epochs_repeating_epoch0(per_rank[r], r, plan))}
+    epochs = sorted({e for rank in per_rank for e in rank})
+    details = {"samples_per_rank": totals, "shared_per_rank": shared, "coverage": round(coverage, 6),
+               "epochs": len(epochs), "departures": {str(r): list(d) for r, d in departures.items()}}
+    everyone = list(range(world))
+    worst = max(everyone, key=lambda r: (shared[r], -r))
+    overlap_text = (f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples with other ranks; "
+                    f"expected 0")
+    if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone):
+        return AuditOutcome(False, f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
+                            f"sequences ({overlap_text}; the effective batch collapsed to one rank's)",
+                            "identical", tuple(everyone), details)
+    if repeats:
+        repeated = sorted({e for eps in repeats.values() for e in eps})
+        label = f"epoch {repeated[0]}" if len(repeated) == 1 else f"epochs {rank_span(repeated)}"
+        verb = "repeats" if len(repeated) == 1 else "repeat"
+        return AuditOutcome(False, f"missing set_epoch: {label} {verb} epoch 0's order on {ranks_phrase(repeats)} "
+                            f"(the sampler was never told the epoch); coverage of the planned order "
+                            f"{coverage:.0%}", f"repeats-epoch-0 {rank_span(repeats)}", tuple(sorted(repeats)), details)
+    if departures:
+        first = min(departures)
+        epoch, index = departures[first]
+        where = "from its first sample" if (epoch, index) == (0, 0) else f"at epoch {epoch}, sample {index}"
+        who = ranks_phrase(departures)
+        verb = "departs" if len(departures) == 1 else "depart"
+        message = (f"{who} sampler order {verb} from the plan (the shared-seed DistributedSampler order) "
+                   f"{where}: a rank-specific sampler seed or shard; {overlap_text}; coverage of the planned order "
+                   f"{coverage:.0%}")
+        if len(departures) == 1:
+            message = message.replace(f"{who} sampler", f"{who}'s sampler", 1)
+        return AuditOutcome(False, message, f"departs {rank_span(departures)}", tuple(sorted(departures)), details)
+    if any(shared):
+        overlapping = [r for r in everyone if shared[r]]
+        return AuditOutcome(False, f"{overlap_text}; coverage of the planned order {coverage:.0%}",
+                            f"overlap {rank_span(overlapping)}", tuple(overlapping), details)
+    if coverage < 1:
+        return AuditOutcome(False, f"the ranks covered {coverage:.1%} of the planned samples; expected 100%",
+                            "partial-coverage", (), details)
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} read disjoint shards in the planned order "
+                        f"({sum(totals)} samples over {len(epochs)} epoch{'s' if len(epochs) != 1 else ''}, "
+                        f"100% coverage)", "disjoint", (), details)
+
+
+def _rank_departure(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> tuple[int, int] | None:
+    for epoch in sorted(epochs):
+        index = first_departure(epochs[epoch], plan.get((rank, epoch), ()))
+        if index is not None:
+            return epoch, index
+    return None
+
+
+def _epochs_repeating_epoch0(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> list[int]:
+    """Epochs > 0 whose order is epoch 0's planned order where the plan differs (set_epoch never called)."""
+    first = plan.get((rank, 0), ())
+    out = []
+    for epoch, ids in sorted(epochs.items()):
+        planned = plan.get((rank, epoch), ())
+        if epoch > 0 and ids and list(ids) == list(first[: len(ids)]) and list(planned[: len(ids)]) != list(ids):
+            out.append(epoch)
+    return out

@@ -1,0 +1,262 @@
+"""A worker's ``torch.distributed`` plumbing: rank discovery, device/backend choice, init, teardown
+and the collectives the monitor and the audits use.
+
+Nothing else in the package reads ``RANK``/``WORLD_SIZE`` or calls ``torch.distributed`` collectives
+directly; the launcher side (forking workers, signals, failure text) is :mod:`healthcheck.run.launcher`.
+torch is imported inside functions so that ``healthcheck config show`` and friends stay fast.
+
+Under an external launcher every process is one worker::
+
+    torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        -m healthcheck probe --config probe.yaml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Any
+
+from healthcheck.errors import InvalidInput
+
+BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+#: Address of single-node launches; numeric so that forked workers never call the resolver.
+LOOPBACK = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0  #: torchrun's GROUP_RANK: which agent (node) started this worker
+    node: str = dataclasses.field(default_factory=socket.gethostname)
+
+
+def launched_externally() -> bool:
+    """True under torchrun/SLURM-with-torchrun, where the launcher already set ``RANK``/``WORLD_SIZE``."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def get_dist_info() -> DistInfo:
+    """Read the launcher's environment (the only place the package does)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return DistInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
+    )
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _import_torch_npu() -> None:
+    # Ascend support is isolated here: torch_npu registers the "npu" device and the hccl backend
+    # on import, and it is only ever imported when the user asked for an NPU.
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError as exc:
+        raise InvalidInput(
+            "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); "
+            f"import failed: {exc}"
+        ) from None
+
+
+def resolve_device(requested: str, local_world_size: int = 1) -> str:
+    """Map ``auto``/``cpu``/``cuda``/``npu`` to a concrete device type, or fail clearly.
+
+    ``auto`` picks cuda when there is one GPU per local worker (NCCL refuses two ranks on one
+    GPU), else cpu. NPUs are never picked implicitly: importing torch_npu has side effects.
+
+    >>> resolve_device("cpu")
+    'cpu'
+    """
+    import torch
+
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInput("distributed.device: 'cuda' requested but torch.cuda.is_available() is False")
+        if torch.cuda.device_count() < local_world_size:
+            raise InvalidInput(
+                f"distributed.device: 'cuda' needs one GPU per local worker; have {torch.cuda.device_count()}, "
+                f"nproc is {local_world_size}"
+            )
+        return "cuda"
+    if requested == "npu":
+        _import_torch_npu()
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise InvalidInput("distributed.device: 'npu' requested but torch.npu.is_available() is False")
+        return "npu"
+    if requested == "auto":
+        if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+            return "cuda"
+        return "cpu"
+    raise InvalidInput(f"distributed.device: expected auto, cpu, cuda or npu, got {requested!r}")
+
+
+def device_reason(requested: str, resolved: str, local_world_size: int = 1) -> str:
+    """Why ``requested`` became ``resolved``, for result.json (a choice records its reason).
+
+    >>> device_reason("auto", "cpu", 8)
+    'device=auto: no CUDA device is visible, so the workers run on the CPU'
+    """
+    if requested != "auto":
+        return f"device={requested} was requested"
+    if resolved == "cuda":
+        return f"device=auto: {local_world_size} local workers and at least as many GPUs, so one GPU per worker"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "device=auto: no CUDA device is visible, so the workers run on the CPU"
+    return (f"device=auto: {torch.cuda.device_count()} GPU(s) for {local_world_size} local workers; NCCL needs one GPU "
+            f"per worker, so the workers run on the CPU")
+
+
+def resolve_backend(requested: str, device_type: str) -> str:
+    """``auto`` maps cpu→gloo, cuda→nccl, npu→hccl; an explicit backend is kept.
+
+    >>> resolve_backend("auto", "cuda")
+    'nccl'
+    >>> resolve_backend("gloo", "cuda")
+    'gloo'
+    """
+    if requested == "auto":
+        return BACKEND_FOR_DEVICE[device_type]
+    return requested
+
+
+def torch_device(device_type: str, local_rank: int):
+    """The ``torch.device`` this worker computes on."""
+    import torch
+
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, local_rank)
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def init_distributed(device_type: str, backend: str, timeout_s: float) -> DistInfo:
+    """Create the default process group once (idempotent) and return this worker's place in it."""
+    import torch
+    import torch.distributed as dist
+
+    info = get_dist_info()
+    if dist.is_initialized():
+        return info
+    kwargs: dict[str, Any] = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+        kwargs["device_id"] = torch.device("cuda", info.local_rank)
+    elif device_type == "npu":
+        torch.npu.set_device(info.local_rank)  # type: ignore[attr-defined]
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return info
+
+
+def destroy_distributed() -> None:
+    """Tear the default process group down if this process created one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size(group=None) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def rank(group=None) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def all_gather_rows(tensor, group=None):
+    """Gather a tensor from every rank into an ``[N, numel]`` tensor, in rank order.
+
+    The output buffer is flat because ProcessGroupGloo rejects a 2-D one ("invalid tensor size
+    at index 0"); ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    flat = tensor.reshape(-1).contiguous()
+    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=group)
+    return out.view(n, flat.numel())
+
+
+def all_reduce_async(tensor, group=None):
+    """Start an in-place SUM all-reduce and return its ``torch.futures.Future``."""
+    import torch.distributed as dist
+
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """Gather one picklable object per rank (small control data only, never tensors of size)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """Rank ``src``'s object, on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group=None) -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+
+
+def set_worker_threads(local_world_size: int) -> None:
+    """Share the host's cores between the local workers instead of oversubscribing them."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+
+
+ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_")
+
+
+def rank_environment() -> dict[str, str]:
+    """The communication/runtime variables that must agree across ranks (for the environment audit)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def device_name(device) -> str:
+    """Human name of a device: the GPU model, or the CPU's."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
+    return platform.processor() or platform.machine() or "cpu"

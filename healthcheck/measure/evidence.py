@@ -1,0 +1,208 @@
+"""Evidence for the exact audits, recorded on the workers; :mod:`healthcheck.judge.assemble` turns it into
+``result.audits`` after the run.
+
+On every rank (``healthcheck.run.trainer.TrainLoop`` makes these calls)::
+
+    recorder = AuditRecorder(ddp.module, param_check_every=10)
+    recorder.record_rng("rng_start", device)          # before the first step
+    recorder.record_batch(epoch, batch["sample_ids"])  # per micro-batch
+    recorder.after_optimizer_step(step)                # collective on check steps: parameter hashes
+    evidence = recorder.finish()                       # collective; rank 0 gets every rank's AuditEvidence
+
+Cost: a parameter check hashes every parameter on its device (no copy to the host) and gathers one
+int64 per tensor per rank; only when the hashes disagree does it all-reduce the parameters to measure
+how far each rank has drifted. The sample ids and RNG hashes are gathered once, at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+from typing import Any, Mapping, Optional, Sequence
+
+from healthcheck.artifacts import AuditEvidence, RankEvidence
+from healthcheck.measure import distributed as hdist
+
+#: Elements hashed at a time: bounds the int64 temporaries to a few tens of MiB per tensor.
+_HASH_CHUNK_NUMEL = 1 << 22
+# Odd multiplier of the golden-ratio hash (2^64 / phi), as a signed int64 so torch accepts it.
+_WEIGHT_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
+_WEIGHT_OFFSET = 0x632BE59BD9B4E019
+
+
+class AuditRecorder:
+    """Collects one rank's audit evidence during the probe; see the module docstring for the calls.
+
+    Args:
+        model: The trained module (``ddp.module``); its parameters are hashed on check steps.
+        param_check_every: Hash and compare the parameters after every k-th optimizer step (from step 0)
+            and after the last one.
+        extra: Scalars to compare across ranks in the environment audit (e.g. the model dtype).
+    """
+
+    def __init__(self, model: Any, *, param_check_every: int, extra: Mapping[str, Any] | None = None):
+        if param_check_every < 1:
+            raise ValueError(f"param_check_every: expected a positive int, got {param_check_every!r}")
+        self.model = model
+        self.param_check_every = param_check_every
+        self.extra = dict(extra or {})
+        self.consumed: list[tuple[int, list[int]]] = []
+        self.rng: dict[str, dict[str, str]] = {}
+        self.param_checks: list[tuple[int, list[list[int]]]] = []
+        self.param_drift: list[tuple[int, list[float]]] = []
+        self.last_step: int | None = None
+
+    def record_batch(self, epoch: int, sample_ids: Sequence[int]) -> None:
+        self.consumed.append((int(epoch), [int(i) for i in sample_ids]))
+
+    def record_rng(self, when: str, device: Any) -> None:
+        self.rng[when] = rng_state_hashes(device)
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Collective on check steps (every rank runs the same steps, so every rank joins)."""
+        self.last_step = step
+        if step % self.param_check_every == 0:
+            self._check_params(step)
+
+    def finish(self, plan_samples: int = 0) -> Optional[AuditEvidence]:
+        """Check the parameters after the last step run, gather every rank's evidence; rank 0 returns it.
+
+        Called on every rank once the loop ended, also after an early stop (all ranks stop at the same
+        step, so the collectives still match). ``plan_samples``: the size of the data set the shared
+        shard plan splits (rank 0's value is the one kept).
+        """
+        if self.last_step is not None and (not self.param_checks or self.param_checks[-1][0] != self.last_step):
+            self._check_params(self.last_step)
+        local_evidence = RankEvidence(consumed=self.consumed, rng=self.rng, extra=self.extra)
+        everyone = hdist.all_gather_objects(local_evidence.model_dump())
+        if hdist.rank() != 0:
+            return None
+        return AuditEvidence(
+            per_rank=[RankEvidence.model_validate(item) for item in everyone],
+            param_checks=self.param_checks,
+            param_names=[name for name, _ in self.model.named_parameters()],
+            param_drift=self.param_drift,
+            plan_samples=plan_samples,
+        )
+
+    def _check_params(self, step: int) -> None:
+        import torch
+
+        parameters = [p for _, p in self.model.named_parameters()]
+        hashes = parameter_hashes(parameters)
+        if hashes.numel() == 0:
+            hashes = torch.zeros(1, dtype=torch.int64, device=hashes.device)
+        # One small gather: T int64 per rank. Every rank keeps the table; only rank 0's is used.
+        table = hdist.all_gather_rows(hashes).cpu().tolist()
+        self.param_checks.append((step, table))
+        # Every rank sees the same table, so all of them join the drift measurement or none does:
+        # healthy runs never pay for it, and a divergence gets a size, not just a yes.
+        if len({tuple(row) for row in table}) > 1:
+            self.param_drift.append((step, parameter_drift(parameters)))
+
+
+def parameter_drift(parameters: Sequence[Any]) -> list[float]:
+    """Collective: each rank's relative distance from the rank-averaged parameters, ``|θ_r - θ̄| / |θ̄|``.
+
+    One float64 all-reduce per tensor, one tensor at a time, so the extra memory is two copies of the
+    largest tensor. It runs only on check steps where the hashes already disagree.
+    """
+    import torch
+
+    if not parameters:
+        return [0.0] * hdist.world_size()
+    world = hdist.world_size()
+    device = parameters[0].device
+    gap_sq = torch.zeros((), dtype=torch.float64, device=device)
+    mean_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for parameter in parameters:
+        local_values = parameter.detach().to(torch.float64)
+        mean = local_values.clone()
+        hdist.all_reduce_async(mean).wait()
+        mean /= world
+        gap_sq += (local_values - mean).square().sum()
+        mean_sq += mean.square().sum()
+    gaps = hdist.all_gather_rows(gap_sq.reshape(1)).reshape(-1)
+    scale = float(mean_sq.sqrt()) or 1.0
+    return [float(g) ** 0.5 / scale for g in gaps.cpu().tolist()]
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def tensor_bit_hash(tensor: Any) -> Any:
+    """A 0-d int64 device tensor that changes with any change to ``tensor``'s bits, computed on its device.
+
+    The bits are read as integers (fp32 as int32, bf16/fp16 as int16, fp64 as int64) and summed with
+    odd position-dependent weights, modulo 2^64. Integer sums do not depend on the reduction order, so
+    equal tensors give equal hashes on any device; a change in one element always changes the hash
+    (an odd weight times a non-zero difference below 2^64 is never 0 mod 2^64).
+    """
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point():
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        flat = flat.view(width)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _HASH_CHUNK_NUMEL):
+        chunk = flat[start : start + _HASH_CHUNK_NUMEL].to(torch.int64)
+        # int64 arithmetic wraps on CPU and GPU alike; that wrap-around is the intended modulo 2^64.
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+        weights = (weights * _WEIGHT_MULTIPLIER + _WEIGHT_OFFSET) | 1
+        total += (chunk * weights).sum()
+    return total
+
+
+def parameter_hashes(parameters: Sequence[Any]) -> Any:
+    """One :func:`tensor_bit_hash` per parameter, as a 1-D int64 tensor on the parameters' device."""
+    import torch
+
+    if not parameters:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([tensor_bit_hash(p) for p in parameters])
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def rng_state_hashes(device: Any = None) -> dict[str, str]:
+    """Short hashes of this process's python, numpy, torch CPU (and the device's CUDA) RNG states."""
+    import numpy as np
+    import torch
+
+    name, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)  # the legacy tuple form: (name, uint32 key array, ...)
+    out = {
+        "python": _digest(pickle.dumps(random.getstate())),
+        "numpy": _digest(keys.tobytes() + repr((name, position, has_gauss, cached)).encode()),
+        "torch": _digest(torch.get_rng_state().numpy().tobytes()),
+    }
+    if device is not None and getattr(device, "type", None) == "cuda":
+        out["cuda"] = _digest(torch.cuda.get_rng_state(device).numpy().tobytes())
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def planned_shards(
+    n_samples: int, world_size: int, seed: int, shuffle: bool, micro_batch_size: int, epochs: int
+) -> dict[tuple[int, int], list[int]]:
+    """``(rank, epoch) -> sample ids`` that a correct run reads: torch's own DistributedSampler with the
+    shared seed, ``set_epoch(epoch)`` each epoch and ``drop_last``, cut to whole micro-batches."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    plan = {}
+    for rank in range(world_size):
+        sampler: Any = DistributedSampler(
+            range(n_samples),  # type: ignore[arg-type]  # any sized sequence works; the stub wants a Dataset
+            num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True,
+        )
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            plan[(rank, epoch)] = order[: len(order) // micro_batch_size * micro_batch_size]
+    return plan

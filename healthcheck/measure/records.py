@@ -1,0 +1,76 @@
+"""The per-step records: one ``StepMetrics`` → ``steps.jsonl`` rows (per rank) and one ``aggregates.jsonl`` row.
+
+Pure functions on ``StepMetrics.to_dict()``, shared by the probe's trainer (which writes them) and
+the live-training callback (which logs the same aggregates), so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from healthcheck.finite import finite_or_none
+
+
+def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per rank: local loss, tokens, local gradient norm, cosine to the mean, timings."""
+    world = len(data["per_rank_loss"])
+    extras = data.get("per_rank_extras") or {}
+    compute = extras.get("compute_ms") or [None] * world
+    cycle = extras.get("cycle_ms") or [None] * world
+    tokens = data.get("per_rank_tokens") or [None] * world
+    return [
+        {
+            "step": step,
+            "rank": rank,
+            "loss": loss,
+            "tokens": tokens[rank],
+            "grad_norm": data["per_rank_grad_norm"][rank],
+            "cosine_to_mean": data["cosine_to_mean"][rank],
+            "compute_ms": compute[rank],
+            "cycle_ms": cycle[rank],
+        }
+        for rank, loss in enumerate(data["per_rank_loss"])
+    ]
+
+
+def aggregate_row(step: int, data: dict[str, Any], lr: float | None = None) -> dict[str, Any]:
+    """The step's cross-rank aggregates (the names ``summary.METRICS`` summarises) and the pairwise matrix."""
+    world = len(data["per_rank_loss"])
+    tokens = data.get("per_rank_tokens") or [None] * world
+    losses = [v for v in data["per_rank_loss"] if v is not None]
+    norms = [v for v in data["per_rank_grad_norm"] if v is not None]
+    cos_to_mean = [v for v in data["cosine_to_mean"] if v is not None]
+    return {
+        "step": step,
+        "loss_mean": sum(losses) / len(losses) if losses else None,
+        "loss_std": data["loss_std"],
+        "loss_range": data["loss_range"],
+        "grad_norm_mean": sum(norms) / len(norms) if norms else None,
+        "grad_norm_std": data["grad_norm_std"],
+        "grad_norm_cv": data["grad_norm_cv"],
+        "cosine_mean": data["cosine_mean"],
+        "cosine_min": data["cosine_min"],
+        "cosine_to_mean_min": min(cos_to_mean) if cos_to_mean else None,
+        "mean_grad_norm": data["mean_grad_norm"],
+        "gradient_diversity": data["gradient_diversity"],
+        "grad_sqnorm_est": data["grad_sqnorm_est"],
+        "trace_sigma_est": data["trace_sigma_est"],
+        "noise_scale": data["noise_scale"],
+        "tokens_total": sum(t for t in tokens if t is not None),
+        **_reduction_fields(data.get("per_rank_extras") or {}),
+        "lr": finite_or_none(lr),
+        "nonfinite_ranks": data["nonfinite_ranks"],
+        "pairwise_cosine": data["pairwise_cosine"],
+    }
+
+
+def _reduction_fields(extras: dict) -> dict:
+    """The reduction check's worst rank on the steps it ran (nothing on the others): max error and bound ratio."""
+    errors, ratios = extras.get("reduction_rel_error"), extras.get("reduction_bound_ratio")
+    if errors is None or ratios is None:
+        return {}
+    finite = [r for r, (e, b) in enumerate(zip(errors, ratios, strict=True)) if e is not None and b is not None]
+    if len(finite) < len(errors):  # a rank's local gradient was NaN/Inf: left to the non-finite audit
+        return {"reduction_rel_error": None, "reduction_bound_ratio": None, "reduction_worst_rank": None}
+    worst = max(finite, key=lambda r: ratios[r])
+    return {"reduction_rel_error": max(errors), "reduction_bound_ratio": ratios[worst], "reduction_worst_rank": worst}

@@ -1,0 +1,113 @@
+"""Why a probe did not finish, in one line: the failed worker's own report, and the launcher's view.
+
+A failing worker writes :class:`~healthcheck.artifacts.WorkerFailure` to ``RUN_DIR/errors/rank-<r>.json``
+(and its traceback beside it) before it dies; :func:`describe_failure` reads them back and names
+the rank and step that caused the failure, not the peers that failed because of it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from pydantic import ValidationError
+
+from healthcheck.artifacts import WorkerFailure
+from healthcheck.errors import one_line
+from healthcheck.judge.summary import summarize_run
+from healthcheck.run.watchdog import read_beats
+
+ERRORS_DIR = "errors"
+
+#: Errors a rank raises because a *peer* went away: symptoms, not the cause.
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+    "remote process exited", "NCCL communicator was aborted", "Socket Timeout", "Timed out",
+)
+
+
+def record_worker_failure(run_dir: Path, rank: int, step: Optional[int], exc: BaseException) -> None:
+    """Leave ``errors/rank-<r>.json`` (one-line reason, step) and the traceback for the launcher to report."""
+    try:
+        folder = run_dir / ERRORS_DIR
+        folder.mkdir(exist_ok=True)
+        report = WorkerFailure(
+            rank=rank, step=step, reason=f"{type(exc).__name__}: {one_line(exc)}"[:500], time=time.time(),
+            exit_code=int(getattr(exc, "exit_code", 3)),  # InvalidInput keeps its exit 2
+        )
+        (folder / f"rank-{rank}.json").write_text(report.model_dump_json())
+        (folder / f"rank-{rank}.traceback.txt").write_text("".join(traceback.format_exception(exc)))
+    except OSError:
+        pass  # the launcher still reports the exit code
+
+
+def read_worker_failures(run_dir: Path) -> list[WorkerFailure]:
+    """Every readable ``errors/rank-<r>.json``; a torn or foreign file is skipped."""
+    reports = []
+    for path in (run_dir / ERRORS_DIR).glob("rank-*.json"):
+        try:
+            reports.append(WorkerFailure.model_validate_json(path.read_bytes()))
+        except (OSError, ValidationError):
+            continue
+    return reports
+
+
+def input_error_in_workers(run_dir: Path) -> Optional[str]:
+    """The reason, when the first failing worker rejected its input (exit 2, not a crash).
+
+    Some inputs can only be checked where the worker runs (a device that this node lacks, a
+    dataset that does not tokenize); those are bad input, not a probe that could not finish.
+    """
+    reports = read_worker_failures(run_dir)
+    if not reports:
+        return None
+    first = min(reports, key=lambda r: r.time)
+    if first.exit_code != 2:
+        return None
+    return first.reason.split(": ", 1)[-1]
+
+
+def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dict[int, int]] = None) -> str:
+    """Name the rank and step that died, not the peers that failed because of it.
+
+    In order: a rank the launcher saw die by a signal; the earliest report that is not a peer
+    failure; a rank that left no report while its peers report broken connections (killed by a
+    signal or the OOM killer before the launcher noticed); the launcher's own view.
+    """
+    beats = {beat.rank: beat for beat in read_beats(run_dir)}
+
+    def where(rank: int) -> str:
+        beat = beats.get(rank)
+        return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else "during start-up"
+
+    for rank, signum in sorted((signals or {}).items()):
+        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}"
+    reports = read_worker_failures(run_dir)
+    causes = [r for r in reports if not any(marker in r.reason for marker in PEER_FAILURE_MARKERS)]
+    if causes:
+        first = min(causes, key=lambda r: r.time)
+        at = f"at step {first.step}" if first.step is not None else "during start-up"
+        return f"rank {first.rank} failed {at}: {first.reason}"
+    silent = sorted(set(beats) - {r.rank for r in reports})
+    if reports and silent:
+        ranks = ", ".join(map(str, silent))
+        peers = ", ".join(str(r.rank) for r in sorted(reports, key=lambda r: r.rank))
+        return (
+            f"rank {ranks} died without an error report {where(silent[0])} (killed by a signal or the OOM killer?); "
+            f"rank {peers} then lost the connection to it"
+        )
+    if reports:
+        first = min(reports, key=lambda r: r.time)
+        return f"rank {first.rank} failed at step {first.step}: {first.reason}"
+    last = summarize_run(run_dir, 0)["last_step"]
+    return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"

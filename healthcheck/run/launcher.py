@@ -1,0 +1,149 @@
+"""The launcher side of a probe: forking the local workers through torch's elastic launcher, turning
+signals into a clean interrupt, and describing a failed child in one line.
+
+This is the code path torchrun takes; under an external torchrun none of it runs and each process
+joins as one worker (:mod:`healthcheck.measure.distributed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+from healthcheck.errors import ProbeFailed
+from healthcheck.measure.distributed import LOOPBACK
+
+
+def quiet_elastic_logs() -> None:
+    """Keep the launcher's own logging out of the CI log.
+
+    The elastic agent logs every rendezvous at INFO and a failed worker's whole traceback at
+    ERROR; healthcheck reports failures itself in one line (rank, step, reason) and keeps the
+    traceback in ``RUN_DIR/errors/``.
+    """
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+
+
+def launch_local(
+    entrypoint: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    *,
+    run_id: str = "healthcheck",
+    start_method: str = "fork",
+    monitor_interval_s: float = 0.1,
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local workers through torch's elastic launcher.
+
+    This is the code path torchrun takes. The rendezvous listens on ``127.0.0.1:0`` so the OS
+    picks a free port and two probes on one machine never collide. Workers are forked from this
+    process: torch and transformers are imported once here instead of once per worker, which is
+    what lets 8 ranks start on 2 cores in under a second.
+
+    Returns ``{rank: return value}``; raises :class:`ProbeFailed` naming the failed rank(s).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    quiet_elastic_logs()
+    _protect_forked_workers()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        # Numeric loopback, never a host name: the workers are forked from a process whose threads
+        # (the agent's store and keep-alive) may hold glibc's resolver lock at fork time, and a
+        # child that then resolves "localhost" waits on that lock forever. A numeric address skips
+        # the resolver, and MASTER_ADDR comes from local_addr instead of a getfqdn() lookup.
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,
+        max_restarts=0,
+        monitor_interval=monitor_interval_s,
+        start_method=start_method,
+    )
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as exc:
+        signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
+        raise ProbeFailed(describe_child_failure(exc), signals) from None
+
+
+_fork_hook_installed = False
+
+
+def _protect_forked_workers() -> None:
+    """Keep a forked worker from running destructors of the launcher's garbage.
+
+    A long-lived launcher (``baseline record``, the scenario sweeps, a test session) holds the
+    dead objects of earlier launches: agents, TCPStore servers, process groups. A forked worker
+    inherits them, and when its garbage collector frees them their C++ destructors act on threads
+    and sockets that do not exist in the child: a segfault or a deadlock before the worker joins
+    the process group. Collecting in the launcher first, and freezing everything a worker
+    inherits (Python's documented fork recipe, ``gc.freeze``), means only the worker's own objects
+    are ever collected in the worker.
+    """
+    global _fork_hook_installed
+    gc.collect()
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=gc.freeze)
+        _fork_hook_installed = True
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard_interrupt():
+    """Treat SIGTERM like Ctrl-C while a probe runs, so both end in the same clean 'interrupted' path.
+
+    While workers run, the elastic agent installs its own SIGTERM/SIGINT handlers, shuts the
+    workers down and raises ``SignalException``; that too becomes ``KeyboardInterrupt`` here.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    if on_main_thread:
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        yield
+    except SignalException as exc:
+        raise KeyboardInterrupt(str(exc)) from None
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def describe_child_failure(exc) -> str:
+    """One line naming each failed rank and why, from a ``ChildFailedError``."""
+    parts = []
+    for rank_id, failure in sorted(exc.failures.items()):
+        message = failure.message
+        if isinstance(message, dict):  # newer torch wraps the error file's message in a dict
+            message = message.get("message", "")
+        message = message if isinstance(message, str) else ""
+        if not message or message.startswith("To enable traceback"):
+            message = f"exit code {failure.exitcode}"
+            if failure.exitcode is not None and failure.exitcode < 0:
+                message = f"killed by signal {-failure.exitcode}"
+        parts.append(f"rank {rank_id}: {message.strip().splitlines()[-1] if message.strip() else message}")
+    return "worker failure: " + "; ".join(parts)
+
+
+
+def prepare_fork() -> None:
+    """Settings the launcher needs before it forks workers.
+
+    The tokenizers library runs a Rust thread pool; after a fork its workers would deadlock, so
+    the launcher disables it before it tokenizes anything.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

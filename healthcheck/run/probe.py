@@ -1,0 +1,234 @@
+"""Run one probe end to end: pre-flight checks, launch (or join) the workers, write ``result.json``.
+
+``run_probe`` works both ways the product is started: outside a launcher it forks
+``distributed.nproc`` local workers through the elastic launcher; under torchrun/SLURM it joins as
+one worker and rank 0 writes the artifacts.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+from healthcheck.artifacts import (
+    CONFIG_FILE,
+    Environment,
+    RunResult,
+    Timing,
+    WorkerReport,
+    default_run_dir,
+    prepare_run_dir,
+    utc_now,
+    write_result,
+)
+from healthcheck.config import ProbeConfig, dump_yaml, resolve_for_rank
+from healthcheck.errors import InvalidInput, ProbeFailed
+from healthcheck.files import write_text_atomic
+from healthcheck.judge.assemble import run_audits
+from healthcheck.judge.summary import summarize_run
+from healthcheck.measure import distributed as hdist
+from healthcheck.run import launcher
+from healthcheck.run.data import check_data_inputs, prepare_samples
+from healthcheck.run.failures import ERRORS_DIR, describe_failure, input_error_in_workers
+from healthcheck.run.modeling import PRESETS, load_tokenizer, model_source
+from healthcheck.run.watchdog import HEARTBEAT_DIR, Watchdog
+from healthcheck.run.worker import probe_worker
+from healthcheck.version import __version__
+
+Status = Literal["complete", "incomplete", "interrupted", "running"]
+
+#: Extra seconds the process group waits beyond distributed.timeout_s under the local launcher.
+PG_TIMEOUT_GRACE_S = 30.0
+#: Launches tried when workers stall before joining the process group (see Watchdog).
+STARTUP_ATTEMPTS = 2
+
+
+def preflight(config: ProbeConfig) -> None:
+    """Fail with exit 2 before any worker starts: missing model dir or data file, unknown preset.
+
+    Every rank's effective config is checked, so a bad path hidden in a rank override is caught too.
+    """
+    ranks = [0, *sorted(config.rank_overrides)]
+    for rank in ranks:
+        rank_config = resolve_for_rank(config, rank)
+        model_source(rank_config.model.name)
+        check_data_inputs(rank_config.data)
+
+
+def warm_parent_caches(config: ProbeConfig) -> None:
+    """Do the shared, expensive set-up once in the launcher so forked workers inherit it.
+
+    Only imports and tokenization happen here, never torch compute: forking after torch's OpenMP
+    pool has started can deadlock the children.
+    """
+    from transformers import AutoConfig  # noqa: F401  (imports the auto machinery once)
+
+    launcher.prepare_fork()
+    tokenizer = load_tokenizer(config.model)
+    prepare_samples(config.data, tokenizer, cache_key=config.model.name)
+    if model_source(config.model.name) == "preset":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(PRESETS[config.model.name][1](len(tokenizer), 1024))]
+
+
+def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResult | None, Path]:
+    """Run the probe and return ``(result, run_dir)``; ``result`` is None on non-zero ranks under torchrun.
+
+    A crash, hang or interrupt still returns: the result is marked incomplete or interrupted, names
+    the rank and step, and keeps every row written so far. The gate turns it into exit 3.
+    """
+    started_wall = time.time()
+    started_at = utc_now()
+    preflight(config)
+    if hdist.launched_externally():
+        return _run_as_worker(config, run_dir, started_wall, started_at)
+
+    run_dir = prepare_run_dir(run_dir or default_run_dir(config.name))
+    write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(config))
+    write_result(run_dir, build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
+                                       report=None, status="running"))
+    warm_parent_caches(config)
+    timeout_s = config.distributed.timeout_s
+    # The watchdog ends a stalled probe at timeout_s and can name the stuck rank; the process
+    # group's own timeout comes later so that it does not pre-empt the watchdog with a vaguer error.
+    attempts = 0
+    try:
+        while True:
+            attempts += 1
+            args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts)
+            watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s,
+                                startup_timeout_s=config.distributed.startup_timeout_s)
+            try:
+                with watchdog, launcher.interrupts_as_keyboard_interrupt():
+                    reports = launcher.launch_local(probe_worker, config.distributed.nproc, args,
+                                                    run_id=f"healthcheck-{config.name}")
+                break
+            except ProbeFailed:
+                # Stuck before any rank trained: nothing was measured, so starting again changes no
+                # result. Forked workers can, rarely, deadlock in start-up on state inherited from the
+                # launcher; launcher._protect_forked_workers closes the causes seen so far, and this
+                # keeps an unknown one from costing a whole distributed.timeout_s.
+                if not (watchdog.stalled_in_startup and attempts < STARTUP_ATTEMPTS):
+                    raise
+                print(f"healthcheck: {watchdog.fired}; relaunching the workers "
+                      f"(attempt {attempts + 1} of {STARTUP_ATTEMPTS})", file=sys.stderr, flush=True)
+                clear_launch_state(run_dir)
+    except ProbeFailed as exc:
+        failure = watchdog.fired or describe_failure(run_dir, exc.message, exc.signals)
+        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
+                              report=None, status="incomplete", failure=failure)
+        bad_input = input_error_in_workers(run_dir)
+        if bad_input and not watchdog.fired:
+            write_result(run_dir, result)
+            raise InvalidInput(bad_input) from None
+    except KeyboardInterrupt:
+        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
+                              report=None, status="interrupted", failure="interrupted by a signal or Ctrl-C")
+    else:
+        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
+                              report=reports.get(0), status="complete")
+    result.timing.launch_attempts = attempts
+    write_result(run_dir, result)
+    return result, run_dir
+
+
+def clear_launch_state(run_dir: Path) -> None:
+    """Remove what a stalled launch left (heartbeats, error reports) so the next one starts clean."""
+    for folder in (run_dir / HEARTBEAT_DIR, run_dir / ERRORS_DIR):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_as_worker(config, run_dir, started_wall, started_at):
+    """Under torchrun: rank 0 picks the run directory and every rank learns it before training."""
+    device_type = hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size)
+    hdist.init_distributed(device_type, hdist.resolve_backend(config.distributed.backend, device_type), config.distributed.timeout_s)
+    is_rank0 = hdist.rank() == 0
+    chosen, refusal = None, None
+    if is_rank0:
+        try:
+            chosen = str(prepare_run_dir(run_dir or default_run_dir(config.name)))
+            write_text_atomic(Path(chosen) / CONFIG_FILE, dump_yaml(config))
+        except InvalidInput as exc:
+            refusal = exc.message
+    # Rank 0's refusal (e.g. --out already holds a run) travels with the broadcast, so every rank
+    # exits 2 with the same line instead of its peers dying in the broadcast with a gloo/NCCL traceback.
+    chosen, refusal = hdist.broadcast_object((chosen, refusal))
+    if refusal is not None:
+        hdist.destroy_distributed()
+        raise InvalidInput(refusal)
+    run_path = Path(chosen)
+    report = probe_worker(config.model_dump_json(), chosen, started_wall)
+    if not is_rank0:
+        return None, run_path
+    result = build_result(config=config, run_dir=run_path, started_at=started_at, started_wall=started_wall,
+                          report=report, status="complete")
+    write_result(run_path, result)
+    return result, run_path
+
+
+def _environment(report: WorkerReport) -> Environment:
+    ranks = report.ranks
+    first = ranks[0].versions if ranks else {}
+    return Environment(
+        python=first.get("python", platform.python_version()),
+        torch=first.get("torch", "?"),
+        transformers=first.get("transformers", "?"),
+        healthcheck=__version__,
+        platform=platform.platform(),
+        device_type=report.device_type,
+        device_reason=report.device_reason,
+        backend=report.backend,
+        world_size=report.world_size,
+        nnodes=len({(r.node, r.node_rank) for r in ranks}) or 1,
+        ranks=ranks,
+    )
+
+
+def build_result(
+    *,
+    config: ProbeConfig,
+    run_dir: Path,
+    started_at: str,
+    started_wall: float,
+    report: Optional[WorkerReport],
+    status: Status,
+    failure: Optional[str] = None,
+) -> RunResult:
+    """result.json from the step files written so far plus rank 0's report (when the workers finished)."""
+    window_start = config.metrics.warmup_steps
+    summary = summarize_run(run_dir, window_start)
+    steps_completed = report.steps_completed if report else summary["last_step"] + 1
+    if report and report.stopped_early:
+        failure = report.stopped_early
+    running = status == "running"
+    timing = Timing(
+        started_at=started_at,
+        finished_at=None if running else utc_now(),
+        wall_s=None if running else time.time() - started_wall,
+        startup_s=report.startup_s if report else None,
+        train_s=report.train_s if report else None,
+        mean_step_ms=report.train_s / report.steps_completed * 1000 if report and report.steps_completed else None,
+    )
+    return RunResult(
+        name=config.name,
+        status=status,
+        failure=failure,
+        config=config,
+        config_fingerprint=config.fingerprint(),
+        environment=_environment(report) if report else None,
+        timing=timing,
+        steps_planned=config.train.steps,
+        steps_completed=steps_completed,
+        window_start_step=window_start,
+        window_steps=summary["window_steps"],
+        summary=summary["summary"],
+        per_rank=summary["per_rank"],
+        standouts=summary["standouts"],
+        nonfinite=summary["nonfinite"],
+        audits=run_audits(config, report, run_dir, summary["nonfinite"]) if report else {},
+    )

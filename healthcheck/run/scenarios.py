@@ -1,0 +1,228 @@
+"""The fault-injection catalogue: named faults built only from ``--set`` overrides of the default probe.
+
+    healthcheck scenarios list
+    healthcheck scenarios run lr-x10 s1-2 --seeds 3     # exit 1 when any run was not caught
+
+A :class:`Scenario` is a handful of config overrides (a seed policy, a data setting, or one rank's
+``rank_overrides``), never a special case inside the metrics code, plus the checks expected to fire
+and the rank(s) they must name. :func:`run_named` runs each against the default probe's baseline
+and prints one line per run. Scenario seeds start at :data:`FIRST_SEED`, away from the seeds a
+baseline is recorded with (42, 43, ...), so a clean run is judged out of sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from healthcheck.config import ProbeConfig, load_config
+from healthcheck.errors import ExitCode, InvalidInput
+
+#: The rank most faults are injected on: not 0, so naming it cannot be a rank-0 accident.
+FAULTY_RANK = 3
+#: First train.seed of scenario runs (baselines are recorded from seed 42 upwards).
+FIRST_SEED = 1000
+DEFAULT_BASELINE = Path("baselines/default.json")
+
+
+def _on_faulty_rank(section: str, body: str) -> str:
+    return f"rank_overrides={{{FAULTY_RANK}: {{{section}: {{{body}}}}}}}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One named fault.
+
+    Attributes:
+        name: Catalogue name (``healthcheck scenarios run NAME``).
+        description: What goes wrong, in one line.
+        sets: ``--set`` expressions applied on top of the default probe.
+        expected_checks: Finding ids (fnmatch patterns, e.g. ``envelope.*``) any of which catches it.
+        expected_ranks: ``"3"``, ``"0"``, ``"all"`` (every rank is named), or ``""`` (nothing may fire).
+    """
+
+    name: str
+    description: str
+    sets: tuple[str, ...]
+    expected_checks: tuple[str, ...]
+    expected_ranks: str
+
+    def expected_rank_set(self, world_size: int) -> set[int]:
+        if self.expected_ranks == "all":
+            return set(range(world_size))
+        return {int(r) for r in self.expected_ranks.split(",") if r}
+
+    def config(self, seed: int, base_sets: Sequence[str] = ()) -> ProbeConfig:
+        """The default probe with ``base_sets``, this scenario's overrides and ``train.seed``."""
+        return load_config(None, [*base_sets, *self.sets, f"train.seed={seed}"])
+
+
+CLEAN = Scenario("clean", "no fault: nothing may fire (the false-alarm row)", (), (), "")
+
+CATALOGUE: tuple[Scenario, ...] = (
+    Scenario("s1-2", "rank 0 seeds itself differently (seed_policy rank0_differs: seed+999)",
+             ("seed_policy=rank0_differs",), ("audit.seeds", "audit.data_shards"), "0"),
+    Scenario("s1-3", "every rank has its own seed (seed_policy per_rank: seed+rank)",
+             ("seed_policy=per_rank",), ("audit.seeds",), "all"),
+    Scenario("identical-data", "every rank reads the same samples (data.sharding replicated)",
+             ("data.sharding=replicated",), ("audit.data_shards",), "all"),
+    Scenario("missing-set-epoch", "sampler.set_epoch never called: every epoch repeats epoch 0 (256 samples, so the "
+             "probe crosses epochs)", ("train.set_epoch=false", "data.max_samples=256"), ("audit.data_shards",), "all"),
+    Scenario("loss-x2", f"rank {FAULTY_RANK} multiplies its loss by 2 (a gradient-accumulation normalisation bug)",
+             (_on_faulty_rank("train", "loss_scale: 2.0"),), ("envelope.*", "audit.rank_outliers"), str(FAULTY_RANK)),
+    Scenario("fp32-vs-bf16", f"rank {FAULTY_RANK} trains in bf16 autocast, the others in fp32",
+             (_on_faulty_rank("train", "precision: bf16"),), ("audit.environment",), str(FAULTY_RANK)),
+    Scenario("lr-x10", f"rank {FAULTY_RANK} uses 10x the learning rate (1e-2 instead of 1e-3)",
+             (_on_faulty_rank("train", "lr: 0.01"),), ("audit.param_equality",), str(FAULTY_RANK)),
+    Scenario("label-mask-bug", f"rank {FAULTY_RANK} trains on prompt tokens too (data.response_only_loss false)",
+             (_on_faulty_rank("data", "response_only_loss: false"),), ("envelope.*", "audit.rank_outliers"),
+             str(FAULTY_RANK)),
+    Scenario("grad-noise", f"rank {FAULTY_RANK}'s local gradient gets Gaussian noise of 2x its RMS (silent corruption)",
+             (_on_faulty_rank("faults", "grad_noise_std: 2.0"),), ("envelope.*", "audit.rank_outliers"),
+             str(FAULTY_RANK)),
+    Scenario("straggler", f"rank {FAULTY_RANK} sleeps 50 ms in every step",
+             (_on_faulty_rank("faults", "step_sleep_ms: 50"),), ("audit.stragglers",), str(FAULTY_RANK)),
+    Scenario("nan", f"rank {FAULTY_RANK}'s loss turns NaN at step 15",
+             (_on_faulty_rank("faults", "nan_at_step: 15"),), ("audit.nonfinite",), str(FAULTY_RANK)),
+)
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (*CATALOGUE, CLEAN)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one scenario run did: which checks fired, which ranks they named, and whether that was right."""
+
+    scenario: str
+    seed: int
+    exit_code: int
+    status: str
+    fired: tuple[str, ...]
+    named: tuple[int, ...]
+    detected: bool  #: an expected check fired (for clean: nothing fired)
+    right_rank: bool  #: the expected checks that fired named every expected rank
+    run_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.right_rank
+
+    def line(self) -> str:
+        fired = ", ".join(self.fired) or "-"
+        named = ",".join(map(str, self.named)) or "-"
+        if self.scenario == CLEAN.name:
+            verdict = "clean, nothing fired" if self.ok else "FALSE ALARM"
+        else:
+            verdict = "detected" + (", right rank" if self.right_rank else ", WRONG RANK") if self.detected else "NOT DETECTED"
+        return (f"{self.scenario:<18} seed {self.seed:<5} exit {self.exit_code}  fired: {fired}  ranks: {named}  "
+                f"-> {verdict}")
+
+
+def assess(scenario: Scenario, failed: Sequence[tuple[str, Sequence[int]]], world_size: int, *, seed: int,
+           exit_code: int, status: str = "complete", run_dir: str = "") -> Outcome:
+    """Judge one run: ``failed`` lists ``(check id, ranks named)`` for every failed finding.
+
+    >>> lr = SCENARIOS["lr-x10"]
+    >>> assess(lr, [("audit.param_equality", [3]), ("envelope.loss_std", [5])], 8, seed=1, exit_code=1).ok
+    True
+    >>> assess(lr, [("audit.param_equality", [5])], 8, seed=1, exit_code=1).right_rank
+    False
+    """
+    fired = tuple(sorted({check for check, _ in failed}))
+    expected = [(c, r) for c, r in failed if any(fnmatch.fnmatchcase(c, p) for p in scenario.expected_checks)]
+    named = tuple(sorted({rank for _, ranks in expected for rank in ranks}))
+    if scenario.name == CLEAN.name or not scenario.expected_checks:
+        detected = right = status == "complete" and not fired
+    else:
+        detected = status == "complete" and bool(expected)
+        right = detected and scenario.expected_rank_set(world_size) <= set(named)
+    return Outcome(scenario.name, seed, exit_code, status, fired, named, detected, right, run_dir)
+
+
+def run_scenario(scenario: Scenario, seed: int, baseline, *, baseline_path: str, runs_root: Path,
+                 base_sets: Sequence[str] = ()) -> Outcome:
+    """Run one probe with the scenario's faults, judge it against ``baseline`` and write its verdict."""
+    from healthcheck.artifacts import default_run_dir
+    from healthcheck.judge.verdict import judge, write_verdict
+    from healthcheck.run.probe import run_probe
+
+    config = scenario.config(seed, base_sets)
+    run_dir = default_run_dir(f"scenario-{scenario.name}-seed{seed}", runs_root)
+    result, run_dir = run_probe(config, run_dir)
+    assert result is not None  # run_named is never used under an external launcher
+    world = config.distributed.nproc
+    if result.status != "complete":
+        return assess(scenario, [], world, seed=seed, exit_code=int(ExitCode.PROBE_FAILED), status=result.status,
+                      run_dir=str(run_dir))
+    verdict = judge(result, baseline, baseline_path=baseline_path)
+    write_verdict(run_dir, verdict)
+    failed = [(f.check, f.ranks) for f in verdict.failures]
+    return assess(scenario, failed, world, seed=seed, exit_code=verdict.exit_code, run_dir=str(run_dir))
+
+
+def resolve(names: Sequence[str]) -> list[Scenario]:
+    """Scenarios by name (``all``: the whole catalogue), or a one-line error listing the known names."""
+    out: list[Scenario] = []
+    for name in names:
+        if name == "all":
+            out.extend(CATALOGUE)
+        elif name in SCENARIOS:
+            out.append(SCENARIOS[name])
+        else:
+            known = ", ".join(SCENARIOS)
+            raise InvalidInput(f"scenarios run: unknown scenario {name!r} (known: {known}, or all)")
+    return out
+
+
+def run_named(
+    names: Sequence[str],
+    *,
+    seeds: int = 1,
+    baseline: Optional[Path] = None,
+    runs_root: Path = Path("runs"),
+    base_sets: Sequence[str] = (),
+    first_seed: int = FIRST_SEED,
+    emit: Callable[[str], None] = print,
+) -> int:
+    """Run each named scenario over ``seeds`` seeds against the baseline; 1 if any run was missed, else 0.
+
+    A run counts as caught when an expected check fired and named the expected rank(s); ``clean``
+    counts when nothing fired. Raises :class:`InvalidInput` (exit 2) for an unknown name, a bad
+    ``--seeds`` or a missing baseline, before any probe starts.
+    """
+    from healthcheck.judge.baseline import load_baseline
+
+    if seeds < 1:
+        raise InvalidInput(f"--seeds: expected at least 1, got {seeds}")
+    chosen = resolve(names)
+    path = Path(baseline) if baseline is not None else DEFAULT_BASELINE
+    loaded = load_baseline(path)
+    outcomes = []
+    for scenario in chosen:
+        for seed in range(first_seed, first_seed + seeds):
+            outcome = run_scenario(scenario, seed, loaded, baseline_path=str(path), runs_root=runs_root,
+                                   base_sets=base_sets)
+            emit(outcome.line())
+            outcomes.append(outcome)
+    missed = [o for o in outcomes if not o.ok]
+    emit(f"{len(outcomes) - len(missed)}/{len(outcomes)} runs caught as expected" +
+         (f"; missed: {', '.join(f'{o.scenario} (seed {o.seed})' for o in missed)}" if missed else ""))
+    return int(ExitCode.INCONSISTENT) if missed else int(ExitCode.PASS)
+
+
+def catalogue_text() -> str:
+    """The ``scenarios list`` table: name, expected checks and ranks, the overrides, what goes wrong."""
+    rows = [("name", "expected check", "rank", "overrides (--set)", "fault")]
+    for s in CATALOGUE:
+        rows.append((s.name, " or ".join(s.expected_checks), s.expected_ranks, "  ".join(s.sets), s.description))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4] for row in rows]
+    lines.append(f"\nRun: healthcheck scenarios run NAME... [--seeds R]   (seeds {FIRST_SEED}, {FIRST_SEED + 1}, ...; "
+                 f"'clean' runs the unfaulted probe; 'all' runs the catalogue)")
+    return "\n".join(lines)
+
+
+def print_catalogue() -> None:
+    print(catalogue_text())

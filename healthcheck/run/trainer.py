@@ -1,0 +1,219 @@
+"""The training step under test and the loop around it: real DDP fine-tuning, one optimizer step at a time.
+
+:func:`backward_over_micro_batches` and :func:`apply_update` are the step itself (the overhead
+benchmark times exactly these); :class:`TrainLoop` adds the heartbeats, the injected faults, the
+monitor's gather and the audit calls, and on rank 0 streams each sampled step's rows to the run
+directory. The worker that builds all of it is :mod:`healthcheck.run.worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE
+from healthcheck.config import ProbeConfig
+from healthcheck.files import JsonlWriter
+from healthcheck.measure.distributed import DistInfo
+from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.measure.records import aggregate_row, rank_rows
+from healthcheck.run.data import IGNORE_INDEX, MicroBatches
+from healthcheck.run.faults import at_step_start as faults_at_step_start
+from healthcheck.run.progress import StepProgress
+from healthcheck.run.watchdog import Heartbeat
+
+
+def _autocast(device: Any, precision: str) -> Any:
+    import torch
+
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: Any) -> None:
+    # The compute-time figure needs the device to have finished; this is one sync per step, not per bucket.
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def micro_step_loss(ddp_model: Any, batch: dict[str, Any], device: Any, precision: str) -> Any:
+    """Summed token cross-entropy of one micro-batch (the caller normalises by the step's tokens)."""
+    import torch.nn.functional as F
+
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    attention = batch["attention_mask"].to(device, non_blocking=True)
+    with _autocast(device, precision):
+        logits = ddp_model(input_ids=input_ids, attention_mask=attention).logits
+    shifted = logits[:, :-1, :].float()
+    return F.cross_entropy(
+        shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def response_tokens(batch: dict[str, Any]) -> int:
+    """Tokens that carry loss in one micro-batch (labels are shifted by one for a causal LM)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def backward_over_micro_batches(
+    ddp: Any,
+    micro: list[dict[str, Any]],
+    device: Any,
+    *,
+    precision: str,
+    loss_scale: float = 1.0,
+    poison: bool = False,
+    before_last_backward: Optional[Callable[[], None]] = None,
+) -> tuple[Any, int]:
+    """Forward and backward every micro-batch of one optimizer step; DDP syncs on the last one only.
+
+    The loss is normalised by the step's response tokens on this rank (known before any forward),
+    so an all-truncated micro-batch contributes zero instead of 0/0. ``poison`` makes the loss NaN
+    (the ``faults.nan_at_step`` fault). Returns this rank's token-weighted loss (a 0-d tensor,
+    ``loss_scale`` included) and its token count.
+    """
+    import torch
+
+    tokens = sum(response_tokens(batch) for batch in micro)
+    denominator = max(tokens, 1)
+    loss_sum = torch.zeros((), device=device)
+    for index, batch in enumerate(micro):
+        is_last = index == len(micro) - 1
+        with contextlib.nullcontext() if is_last else ddp.no_sync():
+            summed = micro_step_loss(ddp, batch, device, precision)
+            if poison:
+                summed = summed * float("nan")
+            if is_last and before_last_backward is not None:
+                before_last_backward()
+            (summed * (loss_scale / denominator)).backward()
+        loss_sum += summed.detach()
+    return loss_sum * (loss_scale / denominator), tokens
+
+
+def apply_update(ddp: Any, optimizer: Any, scheduler: Any = None, *, max_grad_norm: Optional[float]) -> None:
+    """Clip the all-reduced gradient, step the optimizer (and scheduler), clear the gradients."""
+    import torch
+
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainLoop:
+    """The optimizer-step loop; rank 0 streams each sampled step's rows to the run directory.
+
+    Attributes:
+        config: The global probe config (steps, name).
+        rank_config: This rank's resolved config (its train settings and faults).
+        info: Where this process sits in the job.
+        device: The torch device it computes on.
+        ddp, monitor, optimizer, scheduler: The model under test and what drives it.
+        batches: This rank's micro-batches.
+        run_dir: Where rank 0 writes the rows.
+        heartbeat: The watchdog's view of this rank's progress.
+        audit: The exact audits' recorder, or None.
+        step_marker: ``{"step": s}``, the step in progress, for a crash report.
+    """
+
+    config: ProbeConfig
+    rank_config: ProbeConfig
+    info: DistInfo
+    device: Any
+    ddp: Any
+    monitor: Any
+    optimizer: Any
+    scheduler: Any
+    batches: MicroBatches
+    run_dir: Path
+    heartbeat: Heartbeat
+    audit: Optional[AuditRecorder] = None
+    step_marker: dict[str, Optional[int]] = dataclasses.field(default_factory=lambda: {"step": None})
+    steps_completed: int = 0
+    stopped_early: Optional[str] = None
+    train_s: float = 0.0
+    #: When this rank left the previous step's metrics gather (None before the first).
+    last_sync_s: Optional[float] = None
+
+    def run(self) -> None:
+        writers = None
+        progress = None
+        if self.info.rank == 0:
+            writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
+            progress = StepProgress(self.config.name, self.config.train.steps)
+        start = time.perf_counter()
+        try:
+            for step in range(self.config.train.steps):
+                self.step_marker["step"] = step
+                metrics = self.step(step)
+                self.steps_completed = step + 1
+                if writers is not None and metrics is not None:
+                    write_rows(writers, step, metrics, self.scheduler.get_last_lr()[0])
+                if progress is not None:
+                    progress.advance(step + 1)
+                if metrics is not None and metrics.nonfinite_ranks:
+                    # Every rank sees the same gathered metrics, so all stop at the same step.
+                    self.stopped_early = f"non-finite loss or gradient on rank(s) {metrics.nonfinite_ranks} at step {step}"
+                    break
+        finally:
+            self.train_s = time.perf_counter() - start
+            if progress is not None:
+                progress.close()
+            if writers is not None:
+                for writer in writers:
+                    writer.close()
+
+    def step(self, step: int) -> Any:
+        """One optimizer step; the gathered StepMetrics on sampled steps, else None."""
+        train, faults = self.rank_config.train, self.rank_config.faults
+        self.heartbeat.beat(step, "compute")
+        faults_at_step_start(faults, step)
+        t0 = time.perf_counter()
+        micro = []
+        for _ in range(train.grad_accum_steps):
+            micro.append(self.batches.next())
+            if self.audit is not None:  # the epoch is read after next(), which may have started a new one
+                self.audit.record_batch(self.batches.epoch, micro[-1]["sample_ids"])
+        local_loss, tokens = backward_over_micro_batches(
+            self.ddp, micro, self.device, precision=train.precision, loss_scale=train.loss_scale,
+            poison=faults.nan_at_step == step, before_last_backward=lambda: self.heartbeat.beat(step, "backward"),
+        )
+        if faults.step_sleep_ms:
+            time.sleep(faults.step_sleep_ms / 1000)
+        _sync(self.device)
+        compute_done = time.perf_counter()
+        extras = {"compute_ms": (compute_done - t0) * 1000}
+        if self.last_sync_s is not None:
+            # compute_ms ends when DDP's all-reduce completes, a moment all ranks share, so a rank that
+            # starts late looks fast for the whole run. Timed from the previous gather (also shared),
+            # the cycle has no such bias: ranks differ only by their own work (the stragglers audit).
+            extras["cycle_ms"] = (compute_done - self.last_sync_s) * 1000
+        self.heartbeat.beat(step, "sync")
+        metrics = self.monitor.end_step(local_loss, tokens=tokens, extras=extras)
+        self.last_sync_s = time.perf_counter() if metrics is not None else None
+        self.heartbeat.beat(step, "optimizer")
+        apply_update(self.ddp, self.optimizer, self.scheduler, max_grad_norm=train.max_grad_norm)
+        if self.audit is not None:
+            if step == 0:
+                self.audit.record_rng("rng_after_first_step", self.device)
+            self.audit.after_optimizer_step(step)  # collective on parameter-check steps
+        return metrics
+
+
+def write_rows(writers: tuple[JsonlWriter, JsonlWriter], step: int, metrics: Any, lr: float) -> None:
+    """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
+    steps_writer, aggregates_writer = writers
+    data = metrics.to_dict()
+    for row in rank_rows(step, data):
+        steps_writer.write(row)
+    aggregates_writer.write(aggregate_row(step, data, lr))

@@ -1,0 +1,166 @@
+"""One probe worker: set up the process group, the model under test, the monitor and the audits, then train.
+
+Every rank runs :func:`probe_worker`, started by ``healthcheck probe`` (through the elastic launcher)
+or directly by torchrun::
+
+    torchrun --nproc_per_node 8 -m healthcheck probe --config probe.yaml
+
+Rank 0 returns a :class:`~healthcheck.artifacts.WorkerReport`; a rank that fails leaves a
+:class:`~healthcheck.artifacts.WorkerFailure` in ``errors/`` first.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from healthcheck.artifacts import RankInfo, WorkerReport
+from healthcheck.config import ProbeConfig, resolve_for_rank
+from healthcheck.errors import InvalidInput
+from healthcheck.measure import distributed as hdist
+from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.run.data import MicroBatches, load_rows, prepare_samples, shard_plan
+from healthcheck.run.failures import record_worker_failure
+from healthcheck.run.faults import before_process_group as faults_before_process_group
+from healthcheck.run.faults import install_faults
+from healthcheck.run.modeling import build_model, load_tokenizer
+from healthcheck.run.trainer import TrainLoop
+from healthcheck.run.watchdog import Heartbeat
+
+
+def seed_everything(seed: int) -> dict[str, int]:
+    """Seed python, numpy and torch on this rank, and read back what took effect.
+
+    Called after the process group exists and the rank is known, so per-rank seeds really differ
+    (the public scripts of arXiv 2602.14462 read the rank too early, and their seed perturbations
+    were inert).
+    """
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return {"python_seed": seed, "numpy_seed": seed % 2**32, "torch_seed": int(torch.initial_seed())}
+
+
+def lr_lambda(warmup_steps: int) -> Callable[[int], float]:
+    """Linear warmup over ``warmup_steps`` optimizer steps, then constant.
+
+    >>> [round(lr_lambda(4)(s), 2) for s in range(5)]
+    [0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def versions() -> dict[str, str]:
+    """The software and determinism settings a rank runs with (compared by the environment audit)."""
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.version.cuda:
+        out["cuda"] = str(torch.version.cuda)
+    out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
+    out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
+    out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
+    return out
+
+
+def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: Optional[float] = None,
+                 launch_attempt: int = 1) -> Optional[WorkerReport]:
+    """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's report."""
+    config = ProbeConfig.model_validate_json(config_json)
+    step_marker: dict[str, Optional[int]] = {"step": None}
+    try:
+        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt)
+    except BaseException as exc:
+        record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, step_marker["step"], exc)
+        raise
+
+
+def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: dict[str, Optional[int]],
+           pg_timeout_s: Optional[float], launch_attempt: int) -> Optional[WorkerReport]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+    local = hdist.get_dist_info()
+    faults_before_process_group(resolve_for_rank(config, local.rank).faults, launch_attempt)
+    device_type = hdist.resolve_device(config.distributed.device, local.local_world_size)
+    backend = hdist.resolve_backend(config.distributed.backend, device_type)
+    info = hdist.init_distributed(device_type, backend, pg_timeout_s or config.distributed.timeout_s)
+    heartbeat = Heartbeat(run_dir, info.rank)
+    try:
+        hdist.set_worker_threads(info.local_world_size)
+        for rank in config.rank_overrides:
+            if rank >= info.world_size:
+                raise InvalidInput(f"rank_overrides: rank {rank} is outside the world (world size {info.world_size})")
+        rank_config = resolve_for_rank(config, info.rank)
+        seeds = seed_everything(rank_config.train.seed)
+        device = hdist.torch_device(device_type, info.local_rank)
+        if rank_config.train.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise InvalidInput("train.precision: bf16 is not supported on this GPU")
+
+        tokenizer = load_tokenizer(rank_config.model)
+        samples = prepare_samples(rank_config.data, tokenizer, cache_key=rank_config.model.name)
+        model = build_model(rank_config.model, len(tokenizer), rank_config.data.max_length).to(device)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[info.local_rank] if device.type == "cuda" else None,
+            bucket_cap_mb=config.distributed.bucket_cap_mb,
+            gradient_as_bucket_view=config.distributed.gradient_as_bucket_view,
+        )
+        # The sketch projection must be identical on every rank, so it is seeded from the global
+        # config, never from this rank's (possibly perturbed) seed.
+        monitor = WorkerConsistencyMonitor(
+            ddp, direction=config.metrics.direction, sketch_dim=config.metrics.sketch_dim,
+            every=config.metrics.every, seed=config.train.seed, reduction_every=config.metrics.reduction_check_every,
+        )
+        install_faults(model, rank_config.faults)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(rank_config.train.lr_warmup_steps))
+        plan = shard_plan(rank_config.data, rank_config.train, info.rank, info.world_size)
+        batches = MicroBatches(samples, plan, rank_config.train, tokenizer.pad_token_id)
+
+        rank_info = RankInfo(
+            rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
+            device_name=hdist.device_name(device), seed=rank_config.train.seed, sampler_seed=plan.seed,
+            sampler_rank=plan.rank, sampler_replicas=plan.replicas, precision=rank_config.train.precision,
+            versions=versions(), env=hdist.rank_environment(), **seeds,
+        )
+        all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]
+        audit = AuditRecorder(model, param_check_every=config.metrics.param_check_every,
+                              extra={"model_dtype": rank_config.model.dtype})
+        audit.record_rng("rng_start", device)
+
+        loop = TrainLoop(
+            config=config, rank_config=rank_config, info=info, device=device, ddp=ddp, monitor=monitor,
+            optimizer=optimizer, scheduler=scheduler, batches=batches, run_dir=run_dir, heartbeat=heartbeat,
+            audit=audit, step_marker=step_marker,
+        )
+        first_step_at = time.time()
+        loop.run()
+        monitor.close()
+        # The shard plan is the *global* config's, whatever this rank's data override says; only rank 0's is kept.
+        plan_samples = 0
+        if info.rank == 0:
+            plan_samples = len(samples) if rank_config.data == config.data else len(load_rows(config.data))
+        evidence = audit.finish(plan_samples)
+        if evidence is None:  # not rank 0
+            return None
+        return WorkerReport(
+            evidence=evidence, ranks=all_ranks, device_type=device_type,
+            device_reason=hdist.device_reason(config.distributed.device, device_type, info.local_world_size),
+            backend=backend, world_size=info.world_size, startup_s=first_step_at - started_at, train_s=loop.train_s,
+            steps_completed=loop.steps_completed, stopped_early=loop.stopped_early,
+        )
+    finally:
+        hdist.destroy_distributed()

@@ -1,0 +1,431 @@
+"""The exact audits as pure analysis: constructed evidence in, one outcome naming ranks out (no processes).
+
+The shard plan is checked against the real ``MicroBatches`` pipeline (torch's DistributedSampler with an
+explicit rank, no process group), so "the plan" and "what a correct run reads" cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from healthcheck.config import MetricsConfig, TrainConfig, load_config
+from healthcheck.errors import ConfigError, InvalidInput
+from healthcheck.judge.audit_outcome import group_ranks, partition_signature
+from healthcheck.judge.baseline import approved_audit_signatures, fit_baseline
+from healthcheck.judge.exact_audits import (
+    environment_audit,
+    nonfinite_audit,
+    param_equality_audit,
+    reduction_audit,
+    seed_audit,
+)
+from healthcheck.judge.rank_outliers import rank_outlier_audit, straggler_audit
+from healthcheck.judge.shard_audit import data_shard_audit, shard_overlap
+from healthcheck.judge.stats import binomial_tail, sign_test_p
+from healthcheck.judge.verdict import AuditCheck, judge
+from healthcheck.measure.evidence import parameter_hashes, planned_shards, tensor_bit_hash
+from healthcheck.ranks import rank_span, ranks_phrase
+from healthcheck.run.data import MicroBatches, ShardPlan, TokenizedSample
+from tests.synthetic_runs import CLEAN, clean_runs, make_result
+
+# ----------------------------------------------------------------------------- rank grouping
+
+
+def _parse_span(text: str) -> set[int]:
+    out = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+@given(st.sets(st.integers(0, 300), min_size=1))
+def test_rank_span_round_trips(ranks):
+    assert _parse_span(rank_span(ranks)) == ranks
+
+
+def test_phrases_and_groups():
+    assert ranks_phrase([3]) == "rank 3" and ranks_phrase([0, 1, 2, 4, 5, 6, 7]) == "ranks 0-2, 4-7"
+    groups = group_ranks([42, 42, 7, 42])
+    assert groups == [[0, 1, 3], [2]] and partition_signature(groups) == "0-1,3|2"
+
+
+# ----------------------------------------------------------------------------- data shards
+
+
+def _samples(n: int) -> list[TokenizedSample]:
+    return [TokenizedSample(i, [1, 2, 3], [1, 2, 3]) for i in range(n)]
+
+
+def _consume(n: int, world: int, steps: int, *, seed: int = 42, seeds: dict | None = None, set_epoch: bool = True,
+             replicated: bool = False, micro: int = 4) -> list[list[tuple[int, list[int]]]]:
+    """What each rank's real MicroBatches yields over ``steps`` steps, as (epoch, sample_ids) per micro-batch."""
+    out = []
+    for rank in range(world):
+        train = TrainConfig(micro_batch_size=micro, set_epoch=set_epoch)
+        plan = ShardPlan(seed=(seeds or {}).get(rank, seed), rank=0 if replicated else rank, replicas=1 if replicated else world)
+        batches = MicroBatches(_samples(n), plan, train, pad_token_id=0)
+        consumed = []
+        for _ in range(steps):
+            batch = batches.next()
+            consumed.append((batches.epoch, batch["sample_ids"]))
+        out.append(consumed)
+    return out
+
+
+def _plan(n, world, consumed, seed=42, micro=4):
+    epochs = 1 + max(e for rank in consumed for e, _ in rank)
+    return planned_shards(n, world, seed, True, micro, epochs)
+
+
+def test_clean_shards_follow_the_plan_across_epochs():
+    consumed = _consume(100, 4, 20)  # 6 micro-batches per epoch: crosses three epoch boundaries
+    outcome = data_shard_audit(consumed, _plan(100, 4, consumed))
+    assert outcome.passed and outcome.signature == "disjoint" and outcome.ranks == ()
+    assert outcome.details["epochs"] == 4 and outcome.details["coverage"] == 1.0
+    assert "ranks 0-3 read disjoint shards in the planned order (320 samples over 4 epochs" in outcome.message
+
+
+@settings(max_examples=20, deadline=None)
+@given(world=st.integers(2, 6), n=st.integers(24, 120), steps=st.integers(1, 12), seed=st.integers(0, 2**31))
+def test_any_clean_run_passes_and_shares_nothing(world, n, steps, seed):
+    if n < world * 4:
+        return
+    consumed = _consume(n, world, steps, seed=seed)
+    outcome = data_shard_audit(consumed, _plan(n, world, consumed, seed=seed))
+    assert outcome.passed, outcome.message
+    assert outcome.details["shared_per_rank"] == [0] * world
+
+
+def test_replicated_data_is_named_identical():
+    consumed = _consume(64, 4, 3, replicated=True)
+    outcome = data_shard_audit(consumed, _plan(64, 4, consumed))
+    assert not outcome.passed and outcome.signature == "identical" and outcome.ranks == (0, 1, 2, 3)
+    assert outcome.message.startswith("every rank read the same samples: ranks 0-3 consumed identical sequences "
+                                      "(rank 0 shares 12 of its 12 samples with other ranks; expected 0")
+
+
+def test_missing_set_epoch_is_named_as_such():
+    consumed = _consume(64, 4, 12, set_epoch=False)  # 4 micro-batches per epoch: epochs 0, 1, 2
+    outcome = data_shard_audit(consumed, _plan(64, 4, consumed))
+    assert not outcome.passed and outcome.signature == "repeats-epoch-0 0-3" and outcome.ranks == (0, 1, 2, 3)
+    assert outcome.message.startswith("missing set_epoch: epochs 1-2 repeat epoch 0's order on ranks 0-3")
+    # Without shuffling every epoch has the same order anyway: that is not the bug.
+    unshuffled = [[(e, ids) for e, ids in rank] for rank in consumed]
+    plan = planned_shards(64, 4, 42, False, 4, 3)
+    assert "missing set_epoch" not in data_shard_audit(unshuffled, plan).message
+
+
+def test_a_rank_with_its_own_sampler_seed_departs_and_overlaps():
+    consumed = _consume(800, 8, 25, seeds={0: 1041})
+    outcome = data_shard_audit(consumed, _plan(800, 8, consumed))
+    shared = outcome.details["shared_per_rank"][0]
+    assert not outcome.passed and outcome.ranks == (0,) and outcome.signature == "departs 0"
+    assert shared > 0
+    assert outcome.message == (
+        "rank 0's sampler order departs from the plan (the shared-seed DistributedSampler order) from its first sample: "
+        f"a rank-specific sampler seed or shard; rank 0 shares {shared} of its 100 samples with other ranks; expected 0; "
+        f"coverage of the planned order {outcome.details['coverage']:.0%}"
+    )
+    assert 0.5 < outcome.details["coverage"] < 1
+
+
+def test_overlap_counts_within_an_epoch_only():
+    assert shard_overlap([{0: [1, 2], 1: [3]}, {0: [3, 4], 1: [1]}]) == [0, 0]
+    assert shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [2]}]) == [1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def _ranks(seeds):
+    return [{"seed": s, "sampler_seed": s, "torch_seed": s, "python_seed": s, "numpy_seed": s,
+             "rng_start": {"python": f"p{s}", "torch": f"t{s}"}, "rng_after_first_step": {"python": f"p{s}", "torch": f"x{r}"}}
+            for r, s in enumerate(seeds)]
+
+
+def test_seed_grouping_names_the_odd_rank():
+    outcome = seed_audit(_ranks([1041] + [42] * 7))
+    assert not outcome.passed and outcome.ranks == (0,) and outcome.signature == "seed 0|1-7"
+    assert outcome.message == "ranks 1-7 share seed 42; rank 0 has 1041"
+    per_rank = seed_audit(_ranks([42 + r for r in range(8)]))
+    assert per_rank.ranks == tuple(range(8)) and per_rank.signature == "seed 0|1|2|3|4|5|6|7"
+    assert per_rank.message == "ranks 0-7 each have a different seed (42, 43, 44, 45, 46, 47, 48, 49)"
+
+
+def test_shared_seeds_pass_although_torch_states_differ_after_a_step():
+    # Dropout draws as many numbers as the padded batch has elements: the torch state after step 0 differs.
+    outcome = seed_audit(_ranks([42] * 4))
+    assert outcome.passed and outcome.signature == "shared"
+    assert outcome.message == "ranks 0-3 share seed 42 and identical RNG states after seeding"
+
+
+def test_a_diverged_python_rng_is_named():
+    ranks = _ranks([42] * 4)
+    ranks[2]["rng_after_first_step"]["python"] = "drawn"
+    outcome = seed_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (2,) and outcome.signature == "python 0-1,3|2"
+    assert outcome.message.startswith("ranks 0-3 share seed 42, but the python RNG state after the first step differs on rank 2")
+
+
+# ----------------------------------------------------------------------------- parameter equality
+
+
+def test_tensor_hash_is_exact():
+    x = torch.randn(1000)
+    assert int(tensor_bit_hash(x)) == int(tensor_bit_hash(x.clone()))
+    bumped = x.clone()
+    bumped[737] = torch.nextafter(bumped[737], torch.tensor(float("inf")))  # one ulp, one element
+    assert int(tensor_bit_hash(bumped)) != int(tensor_bit_hash(x))
+    assert int(tensor_bit_hash(torch.tensor([0.0]))) != int(tensor_bit_hash(torch.tensor([-0.0])))  # bits, not values
+    swapped = x.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert int(tensor_bit_hash(swapped)) != int(tensor_bit_hash(x))
+    half = x.to(torch.bfloat16)
+    assert int(tensor_bit_hash(half)) != int(tensor_bit_hash(half.float()))
+    assert parameter_hashes([x, half]).dtype == torch.int64 and parameter_hashes([x, half]).shape == (2,)
+
+
+@settings(max_examples=30, deadline=None)
+@given(index=st.integers(0, 4999), bit=st.integers(0, 31))
+def test_any_single_bit_flip_changes_the_hash(index, bit):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    flipped = x.clone().view(torch.int32)
+    flipped[index] ^= (1 << bit) if bit < 31 else -(1 << 31)
+    assert int(tensor_bit_hash(flipped.view(torch.float32))) != int(tensor_bit_hash(x))
+
+
+def test_param_mismatch_names_rank_step_and_tensor():
+    names = ["wte.weight", "h.0.attn.weight", "h.0.mlp.weight", "lm_head.bias"]
+    equal = [[11, 22, 33, 44]] * 8
+    diverged = [list(row) for row in equal]
+    diverged[3][2] = 99
+    diverged[3][3] = 98
+    outcome = param_equality_audit([(0, equal), (10, diverged), (20, diverged)], names)
+    assert not outcome.passed and outcome.ranks == (3,) and outcome.signature == "0-2,4-7|3"
+    assert outcome.message.startswith("rank 3's parameters differ from the majority (ranks 0-2, 4-7) after step 10 "
+                                      "(first differing tensor: h.0.mlp.weight; 2/3 checks differ)")
+    passed = param_equality_audit([(0, equal), (9, equal)], names)
+    assert passed.passed and passed.signature == "equal"
+
+
+def test_param_drift_says_how_far_the_rank_moved():
+    names = ["a", "b"]
+    equal, diverged = [[1, 2]] * 4, [[1, 2], [1, 2], [1, 2], [1, 9]]
+    drift = [(10, [1e-6, 1e-6, 1e-6, 3e-5]), (20, [2e-6, 2e-6, 2e-6, 4e-3])]
+    outcome = param_equality_audit([(0, equal), (10, diverged), (20, diverged)], names, drift)
+    assert "; rank 3's distance from the mean parameters grew from 3.0e-05 (step 10) to 4.0e-03 (step 20) of their norm;" \
+        in outcome.message
+    assert outcome.details["drift"] == [{"step": 10, "relative_distance": [1e-6, 1e-6, 1e-6, 3e-5]},
+                                        {"step": 20, "relative_distance": [2e-6, 2e-6, 2e-6, 4e-3]}]
+    single = param_equality_audit([(0, equal), (10, diverged)], names, drift[:1])
+    assert "; rank 3 is 3.0e-05 of the parameters' norm from the mean at step 10;" in single.message
+    assert "distance" not in param_equality_audit([(10, diverged)], names).message  # older evidence: no drift
+
+
+def test_two_ranks_that_disagree_have_no_majority():
+    outcome = param_equality_audit([(5, [[1, 2], [1, 3]])], ["a", "b"])
+    assert outcome.ranks == (0, 1) and "no majority" in outcome.message and "first differing tensor: b" in outcome.message
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _env(precision="fp32", torch_version="2.13.0", nccl=None, visible="0"):
+    env = {"CUDA_VISIBLE_DEVICES": visible, **({"NCCL_ALGO": nccl} if nccl else {})}
+    return {"versions": {"python": "3.11.7", "torch": torch_version}, "env": env, "device_name": "H100",
+            "precision": precision, "model_dtype": "float32"}
+
+
+def test_environment_differences_name_ranks():
+    ranks = [_env(visible=str(r)) for r in range(8)]
+    clean = environment_audit(ranks)
+    assert clean.passed and clean.signature == "uniform"  # CUDA_VISIBLE_DEVICES differs per rank by design
+    ranks[3] = _env(precision="bf16", visible="3")
+    ranks[6] = _env(nccl="ring", visible="6")
+    outcome = environment_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (3, 6)
+    assert outcome.message == ("env.NCCL_ALGO differs: ranks 0-5, 7 <unset>; rank 6 ring; "
+                               "precision differs: ranks 0-2, 4-7 fp32; rank 3 bf16")
+    assert outcome.signature == "env.NCCL_ALGO 0-5,7|6; precision 0-2,4-7|3"
+
+
+# ----------------------------------------------------------------------------- non-finite
+
+
+def test_nonfinite_names_rank_and_first_step():
+    outcome = nonfinite_audit([{"rank": 3, "step": 15, "what": "loss"}], 8)
+    assert not outcome.passed and outcome.ranks == (3,) and outcome.signature == "nonfinite 3"
+    assert outcome.message == "rank 3's loss went NaN/Inf first at step 15 (the probe stopped there)"
+    assert nonfinite_audit([], 8).passed
+
+
+# ----------------------------------------------------------------------------- stragglers
+
+
+def _timings(rng: random.Random, steps=60, world=8, slow: dict | None = None, noise=0.05):
+    """Step times shaped like the default probe's cycle_ms on 2 shared cores: a common level that varies a lot
+    from step to step, about +-5% per rank and step, and one rank that persistently wakes late (looks ~6% fast)."""
+    offset = [0.0] * world
+    offset[rng.randrange(world)] = -0.06
+    out = {}
+    for step in range(steps):
+        level = 1000 * rng.lognormvariate(0, 0.4)
+        out[step] = [level * (1 + offset[r] + rng.gauss(0, noise)) + (slow or {}).get(r, 0) for r in range(world)]
+    return out
+
+
+#: The configured defaults: (straggler_factor, straggler_max_p).
+DEFAULT_RULE = (MetricsConfig().straggler_factor, MetricsConfig().straggler_max_p)
+
+
+def test_a_persistent_straggler_is_named():
+    outcome = straggler_audit(_timings(random.Random(1), slow={3: 100}), *DEFAULT_RULE)
+    assert not outcome.passed and outcome.ranks == (3,) and outcome.signature == "slow 3"
+    assert outcome.message.startswith("rank 3 is persistently slower: ")
+
+
+def test_one_very_slow_step_is_not_a_straggler():
+    timings = _timings(random.Random(2))
+    timings[30][5] *= 20
+    assert straggler_audit(timings, *DEFAULT_RULE).passed
+
+
+def test_clean_false_alarm_rate_is_low():
+    rng = random.Random(3)
+    alarms = sum(not straggler_audit(_timings(rng), *DEFAULT_RULE).passed for _ in range(400))
+    assert alarms <= 4, alarms  # about 0.05% per run in this model (2000 runs); real clean runs: see the README
+
+
+def test_too_few_steps_never_fail():
+    # Persistence needs evidence: 8 timed steps cannot reach the default p even if a rank is slower in all of them.
+    assert sign_test_p(8, 8) > DEFAULT_RULE[1]
+    assert straggler_audit(_timings(random.Random(4), steps=10, slow={1: 500}), *DEFAULT_RULE).passed
+
+
+# ----------------------------------------------------------------------------- rank outliers
+
+
+def _per_step(rng: random.Random, steps=50, world=8, shift: dict | None = None):
+    """Per-rank metrics of ranks reading iid shards; ``shift`` adds a persistent offset to one rank's metric."""
+    out = {}
+    for step in range(steps):
+        row = {m: [rng.gauss(3.0, 0.2) for _ in range(world)] for m in ("loss", "grad_norm", "cosine_to_mean")}
+        row["tokens"] = [rng.randint(40, 100) for _ in range(world)]
+        for (metric, rank), delta in (shift or {}).items():
+            row[metric][rank] += delta
+        out[step] = row
+    return out
+
+
+def test_a_rank_whose_own_computation_differs_is_named():
+    # The label-mask bug: many more tokens and a lower cosine, while the aggregates barely move.
+    outcome = rank_outlier_audit(_per_step(random.Random(0), shift={("tokens", 3): 900, ("cosine_to_mean", 3): -0.5}),
+                                 1e-6)
+    assert not outcome.passed and outcome.ranks == (3,)
+    assert outcome.signature == "cosine_to_mean lowest 3; tokens highest 3"
+    assert outcome.message.startswith("rank 3 had the ")
+
+
+def test_exchangeable_ranks_pass_and_ties_count_for_nobody():
+    rng = random.Random(1)
+    alarms = sum(not rank_outlier_audit(_per_step(rng), 1e-6).passed for _ in range(200))
+    assert alarms == 0
+    same = {s: {m: [1.0 + 1e-9 * r for r in range(8)] for m in ("loss", "tokens")} for s in range(50)}
+    assert rank_outlier_audit(same, 1e-6).passed  # rounding-level differences in a fixed order are ties
+
+
+def test_binomial_tail_matches_the_sign_test():
+    for k in range(0, 31, 5):
+        assert abs(binomial_tail(k, 30, 0.5) - sign_test_p(k, 30)) < 1e-12
+
+
+# ----------------------------------------------------------------------------- reduction numerics
+
+
+def test_reduction_audit():
+    rows = [{"step": 10, "reduction_rel_error": 3e-8, "reduction_bound_ratio": 0.1, "reduction_worst_rank": 2},
+            {"step": 20, "reduction_rel_error": None, "reduction_bound_ratio": None, "reduction_worst_rank": None}]
+    ok = reduction_audit(rows, 8)
+    assert ok.passed and ok.signature == "within-bound" and ok.details["checked_steps"] == [10]
+    rows.append({"step": 30, "reduction_rel_error": 2e-3, "reduction_bound_ratio": 4000.0, "reduction_worst_rank": 5})
+    bad = reduction_audit(rows, 8)
+    assert not bad.passed and bad.ranks == (5,) and bad.message.startswith("at step 30 the all-reduced gradient on rank 5")
+    assert reduction_audit([], 8).signature == "unchecked"
+
+
+# ----------------------------------------------------------------------------- verdict and baseline
+
+
+def typical_values() -> dict[str, float]:
+    return {m: c for m, (c, _, _) in CLEAN.items()}
+
+
+def _with_audit(result, name, passed, signature):
+    entry = {"passed": passed, "message": f"{name} is {signature}", "ranks": [] if passed else [0], "signature": signature}
+    return result.model_copy(update={"audits": {**result.audits, name: entry}})
+
+
+def test_baseline_approves_a_deviation_all_runs_agree_on():
+    runs = [_with_audit(r, "seeds", False, "seed 0|1-7") for r in clean_runs(3)]
+    runs = [_with_audit(r, "stragglers", i != 1, "slow 3" if i == 1 else "none") for i, r in enumerate(runs)]
+    assert approved_audit_signatures(runs) == {"seeds": "seed 0|1-7"}
+    baseline = fit_baseline(runs, reason="per-rank seeds on purpose", approved_by="alice")
+    assert baseline.audits == {"seeds": "seed 0|1-7"}
+    same = _with_audit(make_result(typical_values()), "seeds", False, "seed 0|1-7")
+    verdict = judge(same, baseline)
+    finding = {f.check: f for f in verdict.findings}["audit.seeds"]
+    assert finding.passed and finding.message.startswith("approved deviation (baseline audits.seeds = 'seed 0|1-7')")
+    other = _with_audit(make_result(typical_values()), "seeds", False, "seed 0|1|2|3|4|5|6|7")
+    finding = AuditCheck("seeds", baseline.audits["seeds"]).evaluate(other)
+    assert not finding.passed and "the baseline approves only 'seed 0|1-7'" in finding.message
+    assert not AuditCheck("seeds").evaluate(same).passed  # no approval: the ideal is expected
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_reduction_cadence_must_ride_on_sampled_steps():
+    with pytest.raises(ConfigError, match=r"metrics: reduction_check_every: must be 0 or a multiple of every \(3\), got 10"):
+        load_config(None, ["metrics.every=3"])
+    assert load_config(None, ["metrics.every=5"]).metrics.reduction_check_every == 10
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def test_run_named_exit_code_follows_the_misses(tmp_path, monkeypatch):
+    from healthcheck.judge.baseline import save_baseline
+    from healthcheck.run import scenarios
+    from tests.synthetic_runs import fitted
+
+    path = tmp_path / "baseline.json"
+    save_baseline(fitted(3), path)
+    caught = {"lr-x10": [("audit.param_equality", [3])], "clean": [], "nan": [("audit.nonfinite", [5])]}
+
+    def fake_run(scenario, seed, baseline, **_):
+        return scenarios.assess(scenario, caught[scenario.name], 8, seed=seed, exit_code=1)
+
+    monkeypatch.setattr(scenarios, "run_scenario", fake_run)
+    lines: list[str] = []
+    assert scenarios.run_named(["lr-x10", "clean"], seeds=2, baseline=path, emit=lines.append) == 0
+    assert len(lines) == 5 and lines[0].startswith("lr-x10") and "seed 1000" in lines[0] and "-> detected, right rank" in lines[0]
+    assert lines[-1] == "4/4 runs caught as expected"
+    assert scenarios.run_named(["nan"], baseline=path, emit=lines.append) == 1  # rank 5 named, rank 3 expected
+    assert "WRONG RANK" in lines[-2] and "missed: nan (seed 1000)" in lines[-1]
+    with pytest.raises(InvalidInput, match="--seeds: expected at least 1"):
+        scenarios.run_named(["nan"], seeds=0, baseline=path)
+
+
+def test_every_scenario_config_validates_and_names_a_rank_inside_the_world():
+    from healthcheck.run.scenarios import CATALOGUE
+
+    for scenario in CATALOGUE:
+        config = scenario.config(1000)
+        assert scenario.expected_checks and scenario.expected_rank_set(config.distributed.nproc) <= set(range(8))
+        assert config.train.seed == 1000

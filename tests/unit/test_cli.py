@@ -1,0 +1,94 @@
+"""The thin CLI: exit codes for each kind of failure, one-line errors, and a reader that leaves the pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+
+import pytest
+
+from healthcheck.cli import build_parser, main
+from healthcheck.errors import ExitCode, ProbeFailed
+from tests.synthetic_runs import fitted
+
+
+def run_main(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_every_subcommand_parses():
+    parser = build_parser()
+    for argv in (["probe"], ["config", "show"], ["config", "schema"], ["config", "check"], ["report", "r"],
+                 ["compare", "r"], ["baseline", "show", "b"], ["baseline", "update", "--from", "r", "--reason", "x"],
+                 ["baseline", "record"], ["scenarios", "list"], ["scenarios", "run", "clean"]):
+        assert parser.parse_args(argv).command == argv[0]
+
+
+def test_a_bad_set_is_exit_2_on_one_line():
+    code, _, err = run_main(["config", "show", "--set", "train.steps=many"])
+    assert code == ExitCode.INVALID_INPUT
+    assert err.count("\n") == 1 and err.startswith("healthcheck: error: ") and "train.steps" in err
+
+
+def test_multi_line_messages_are_folded_onto_one_line(tmp_path):
+    config = tmp_path / "probe.yaml"
+    config.write_text("train: [\n  unclosed\n")
+    code, _, err = run_main(["config", "show", "--config", str(config)])
+    assert code == ExitCode.INVALID_INPUT and err.count("\n") == 1 and "not valid YAML" in err
+
+
+def test_an_unwritable_output_is_exit_2(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    code, _, err = run_main(["baseline", "update", "--from", str(tmp_path / "no-run"), "--reason", "r",
+                             "--output", str(target / "b.json")])
+    assert code == ExitCode.INVALID_INPUT and err.count("\n") == 1
+
+
+def test_probe_failed_is_exit_3_and_interrupts_too(monkeypatch):
+    def fail(args):
+        raise ProbeFailed("rank 1 died", {1: 9})
+
+    monkeypatch.setitem(__import__("healthcheck.cli").cli.COMMANDS, "report", fail)
+    code, _, err = run_main(["report", "x"])
+    assert code == ExitCode.PROBE_FAILED and "rank 1 died" in err
+
+    def interrupt(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(__import__("healthcheck.cli").cli.COMMANDS, "report", interrupt)
+    assert run_main(["report", "x"])[0] == ExitCode.PROBE_FAILED
+
+
+def test_probe_failed_signals_belong_to_each_instance():
+    first, second = ProbeFailed("a", {3: 9}), ProbeFailed("b")
+    assert first.signals == {3: 9} and second.signals == {}
+    second.signals[1] = 15
+    assert ProbeFailed("c").signals == {}
+
+
+def test_a_reader_that_leaves_the_pipe_is_not_an_error(tmp_path):
+    # `healthcheck baseline show X | head`: the reader is gone before the writer writes. It used to
+    # report "cannot write" with exit 2 because OSError was caught before BrokenPipeError.
+    from healthcheck.judge.baseline import save_baseline
+
+    path = tmp_path / "default.json"
+    save_baseline(fitted(), path)
+    process = subprocess.Popen([sys.executable, "-m", "healthcheck", "baseline", "show", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader leaves at once
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err.decode()
+    assert err.decode() == ""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"]])
+def test_version_and_help_exit_0(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
