@@ -11,7 +11,7 @@ from typing import Any
 
 from healthcheck.version import __version__
 
-__all__ = ["WorkerConsistencyMonitor", "StepMetrics", "__version__"]
+__all__ = ["WorkerConsistencyMonitor", "StepMetrics", "record_loss", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         return WorkerConsistencyMonitor
+    if name == "record_loss":
+        from healthcheck.integrations.loss_capture import record_loss
+
+        return record_loss
     if name == "StepMetrics":
         from healthcheck.measure.metrics import StepMetrics
 

@@ -45,14 +45,20 @@ class RankInfo(Record):
     node_rank: int = Field(0, description="The launcher agent (node) that started this rank: torchrun's GROUP_RANK.")
     device: str = Field(description="torch device string, e.g. cpu or cuda:3.")
     device_name: str = Field(description="Human device name (GPU model or CPU).")
-    seed: int = Field(description="Seed given to python, numpy and torch on this rank.")
-    python_seed: int = Field(description="Seed of python's random module.")
-    numpy_seed: int = Field(description="Seed of numpy's global RNG.")
-    torch_seed: int = Field(description="torch.initial_seed() read back after seeding.")
-    sampler_seed: int = Field(description="The DistributedSampler's seed (data_seed, or the seed).")
-    sampler_rank: int = Field(description="The shard this rank's sampler reads (0 for every rank when replicated).")
-    sampler_replicas: int = Field(description="Shards the sampler splits the data into.")
-    precision: str = Field(description="fp32 or bf16 autocast, as this rank trained.")
+    # A --script probe cannot read back the seeds a script gave python and numpy: those are None there,
+    # and the seeds audit compares the RNG states themselves instead.
+    seed: Optional[int] = Field(None, description="Seed given to python, numpy and torch on this rank.")
+    python_seed: Optional[int] = Field(None, description="Seed of python's random module.")
+    numpy_seed: Optional[int] = Field(None, description="Seed of numpy's global RNG.")
+    torch_seed: Optional[int] = Field(
+        None, description="torch.initial_seed() read back after seeding (a script: at its first training forward)."
+    )
+    sampler_seed: Optional[int] = Field(None, description="The DistributedSampler's seed (data_seed, or the seed).")
+    sampler_rank: Optional[int] = Field(
+        None, description="The shard this rank's sampler reads (0 for every rank when replicated)."
+    )
+    sampler_replicas: Optional[int] = Field(None, description="Shards the sampler splits the data into.")
+    precision: str = Field(description="fp32 or bf16 autocast (a script: as observed at its first training forward).")
     versions: dict[str, str] = Field(default_factory=dict, description="python/torch/transformers/cuda versions on this rank.")
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_*/HCCL_*/TORCH_* variables on this rank.")
 
@@ -155,6 +161,10 @@ class RunResult(Record):
     )
     nonfinite: list[NonFiniteEvent] = Field(default_factory=list, description="First non-finite event per rank.")
     audits: dict[str, Any] = Field(default_factory=dict, description="Exact audit results, by audit name.")
+    loss_note: Optional[str] = Field(
+        None, description="Why the per-rank loss was not measured (a script whose loss healthcheck cannot see); "
+        "None when it was. The gradient metrics and the audits do not depend on it."
+    )
 
 
 # --------------------------------------------------------------------------- run directory
@@ -203,6 +213,17 @@ def load_result(run_dir: Path) -> RunResult:
 # --------------------------------------------------------------------------- between processes
 
 
+class SamplerPlan(Record):
+    """How a DistributedSampler splits the data on one rank: enough to rebuild the order it yields."""
+
+    seed: int
+    num_replicas: int
+    rank: int
+    shuffle: bool
+    drop_last: bool
+    dataset_size: int = Field(ge=0)
+
+
 class RankEvidence(Record):
     """One rank's audit evidence, gathered from every rank when the loop ends."""
 
@@ -213,6 +234,10 @@ class RankEvidence(Record):
         default_factory=dict, description="moment (rng_start, rng_after_first_step) -> generator -> state hash."
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Scalars the environment audit compares.")
+    sampler: Optional[SamplerPlan] = Field(None, description="The DistributedSampler this rank read through, if any.")
+    shard_source: str = Field("sampler", description="What sharded the data: sampler (a DistributedSampler), "
+                              "loader (another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).")
+    loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
 
 
 class AuditEvidence(Record):

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 from healthcheck.errors import ExitCode, HealthcheckError, InvalidInput, one_line
 from healthcheck.version import __version__
@@ -30,6 +31,40 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         "--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
         help="override one config field (repeatable; validated like the file), e.g. --set train.steps=20",
     )
+    parser.add_argument(
+        "--script", metavar="PATH",
+        help="probe this training script, unmodified, instead of the built-in trainer (the config's script.path); "
+        "its own arguments follow --",
+    )
+
+
+#: Subcommands that take a script's arguments after ``--``.
+SCRIPT_COMMANDS = {("probe",), ("baseline", "record"), ("config", "show"), ("config", "check")}
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], Optional[list[str]]]:
+    """``healthcheck ... -- ARGS``: the arguments before ``--`` and the script's (None without ``--``).
+
+    >>> split_script_args(["probe", "--script", "t.py", "--", "--lr", "1e-4"])
+    (['probe', '--script', 't.py'], ['--lr', '1e-4'])
+    """
+    if "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The config of a command with --config/--set/--script (and the script's arguments)."""
+    from healthcheck.config import load_config
+
+    return load_config(args.config, args.sets, script=args.script, script_args=args.script_args)
+
+
+def _record_hint(args: argparse.Namespace) -> str:
+    from healthcheck.judge.baseline import record_command
+
+    return record_command(args.config, args.sets, args.script, args.script_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--force", action="store_true", help="compare even if the baseline was recorded for another world size/device")
     probe.add_argument("--no-judge", action="store_true",
                        help="run and record only; skip the baseline verdict (exit 0 if the probe finished)")
+    probe.add_argument("--verbose", action="store_true",
+                       help="show every worker's output on the console (default: RUN_DIR/logs/rank-N.log)")
+    probe.add_argument("--audits-only", action="store_true",
+                       help="judge the exact audits against their ideal expectations; no baseline needed, no envelope judged")
 
     config = commands.add_parser("config", help="show the resolved config or its JSON Schema")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -84,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("run_dir", type=Path)
     compare.add_argument("--baseline", type=Path, help="default: the run config's baseline path")
     compare.add_argument("--force", action="store_true", help="compare despite a world-size/device mismatch")
+    compare.add_argument("--audits-only", action="store_true", help="judge only the exact audits (no baseline)")
 
     report = commands.add_parser("report", help="re-render the report and its files from a finished run")
     report.add_argument("run_dir", type=Path)
@@ -103,33 +143,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_probe(args) -> int:
-    from healthcheck.config import load_config
     from healthcheck.gate import gate_run
     from healthcheck.run.probe import run_probe
 
-    config = load_config(args.config, args.sets)
+    config = _load(args)
     baseline_path = args.baseline or config.baseline_path()
-    result, run_dir = run_probe(config, args.out)
+    result, run_dir = run_probe(config, args.out, verbose=args.verbose)
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return int(ExitCode.PASS)
-    return gate_run(
-        result, run_dir, baseline_path, force=args.force, config_hint=args.config, judge_against_baseline=not args.no_judge
-    )
+    return gate_run(result, run_dir, baseline_path, force=args.force, record_hint=_record_hint(args),
+                    judge_against_baseline=not args.no_judge, audits_only=args.audits_only)
 
 
 def cmd_config(args) -> int:
-    from healthcheck.config import dump_yaml, json_schema, load_config
+    from healthcheck.config import dump_yaml, json_schema
 
     if args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))
     elif args.config_command == "check":
         from healthcheck.run.probe import preflight
 
-        config = load_config(args.config, args.sets)
+        config = _load(args)
         preflight(config)
-        print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers, fingerprint {config.fingerprint()}")
+        what = f" (script {config.script.path})" if config.script else ""
+        print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers{what}, "
+              f"fingerprint {config.fingerprint()}")
     else:
-        print(dump_yaml(load_config(args.config, args.sets)), end="")
+        print(dump_yaml(_load(args)), end="")
     return int(ExitCode.PASS)
 
 
@@ -145,12 +185,11 @@ def cmd_baseline(args) -> int:
         built = baselines.baseline_from_runs(args.run_dirs, reason=args.reason, approved_by=args.approved_by)
         output = args.output or built.config_snapshot_baseline_path()
     else:
-        from healthcheck.config import load_config
         from healthcheck.run.recording import record_baseline
 
         if args.repeats < 3:
             raise InvalidInput(f"--repeats: at least 3 probes are needed to fit an envelope, got {args.repeats}")
-        config = load_config(args.config, args.sets)
+        config = _load(args)
         built = record_baseline(config, args.repeats, runs_root=args.runs_root, reason=args.reason, approved_by=args.approved_by)
         output = args.output or config.baseline_path()
     baselines.save_baseline(built, output)
@@ -161,10 +200,12 @@ def cmd_baseline(args) -> int:
 def cmd_compare(args) -> int:
     from healthcheck.artifacts import load_result
     from healthcheck.gate import gate_run
+    from healthcheck.judge.baseline import record_command
 
     result = load_result(args.run_dir)
     baseline_path = args.baseline or result.config.baseline_path()
-    return gate_run(result, args.run_dir, baseline_path, force=args.force, config_hint=str(args.run_dir / "config.yaml"))
+    hint = record_command(str(args.run_dir / "config.yaml"))
+    return gate_run(result, args.run_dir, baseline_path, force=args.force, record_hint=hint, audits_only=args.audits_only)
 
 
 def cmd_report(args) -> int:
@@ -194,7 +235,12 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, script_args = split_script_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(own)
+    command = tuple(v for v in (args.command, getattr(args, f"{args.command}_command", None)) if v)
+    if script_args is not None and command not in SCRIPT_COMMANDS:
+        parser.error(f"arguments after -- are a script's; {' '.join(command)} takes none")
+    args.script_args = script_args
     try:
         return COMMANDS[args.command](args)
     except HealthcheckError as exc:

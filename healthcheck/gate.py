@@ -14,7 +14,7 @@ from healthcheck.artifacts import VERDICT_FILE, RunResult, load_result
 from healthcheck.errors import BaselineError, ExitCode, ProbeFailed
 from healthcheck.judge.baseline import load_baseline
 from healthcheck.judge.findings import Verdict
-from healthcheck.judge.verdict import judge, load_verdict, write_verdict
+from healthcheck.judge.verdict import judge, judge_audits_only, load_verdict, write_verdict
 from healthcheck.outputs.report import publish_report
 
 
@@ -40,14 +40,16 @@ def gate_run(
     *,
     force: bool = False,
     console: Any = None,
-    config_hint: Optional[str] = None,
+    record_hint: Optional[str] = None,
     judge_against_baseline: bool = True,
+    audits_only: bool = False,
 ) -> int:
     """Judge ``result`` against the baseline at ``baseline_path`` and report; return the exit code.
 
-    Raises :class:`ProbeFailed` (exit 3) for a probe that did not finish and :class:`BaselineError`
-    (exit 2) when there is no usable baseline, each after the report files for the run itself have
-    been written.
+    With ``audits_only`` no baseline is read: the exact audits are judged against their ideal
+    expectations and the report says that no envelope was judged. Raises :class:`ProbeFailed`
+    (exit 3) for a probe that did not finish and :class:`BaselineError` (exit 2) when there is no
+    usable baseline, each after the report files for the run itself have been written.
     """
     if result.status != "complete":
         publish_report(run_dir, result, None, console)
@@ -55,9 +57,14 @@ def gate_run(
     if not judge_against_baseline:
         publish_report(run_dir, result, None, console)
         return exit_code_for(result, None)
+    if audits_only:
+        verdict = judge_audits_only(result)
+        write_verdict(run_dir, verdict)
+        publish_report(run_dir, result, verdict, console)
+        return exit_code_for(result, verdict)
     try:
-        baseline = load_baseline(baseline_path, config_hint=config_hint)
-        verdict = judge(result, baseline, baseline_path=str(baseline_path), force=force)
+        baseline = load_baseline(baseline_path, record_hint=record_hint)
+        verdict = judge(result, baseline, baseline_path=str(baseline_path), force=force, record_hint=record_hint)
     except BaselineError:
         publish_report(run_dir, result, None, console)
         raise

@@ -13,7 +13,9 @@ from healthcheck.config.schema import (
     MetricsConfig,
     ModelConfig,
     ProbeConfig,
+    ScriptConfig,
     TrainConfig,
+    builtin_only_fields,
     deep_merge,
     effective_seed,
     resolve_for_rank,
@@ -21,7 +23,8 @@ from healthcheck.config.schema import (
 
 __all__ = [
     "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "NAME_PATTERN", "OVERRIDABLE_SECTIONS", "RANK0_SEED_OFFSET",
-    "DataConfig", "DistributedConfig", "FaultConfig", "MetricsConfig", "ModelConfig", "ProbeConfig", "TrainConfig",
+    "DataConfig", "DistributedConfig", "FaultConfig", "MetricsConfig", "ModelConfig", "ProbeConfig", "ScriptConfig",
+    "TrainConfig", "builtin_only_fields",
     "apply_set", "deep_merge", "dump_yaml", "effective_seed", "json_schema", "load_config", "parse_set",
     "read_yaml_mapping", "resolve_for_rank",
 ]

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from pydantic import ValidationError
@@ -68,14 +68,25 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> ProbeConfig:
-    """Load the config file (or the embedded default), apply ``--set`` overrides, validate once."""
+def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = (), *,
+                script: Optional[str] = None, script_args: Optional[list[str]] = None) -> ProbeConfig:
+    """Load the config file (or the embedded default), apply ``--set`` overrides, then ``--script PATH``
+    and the script's arguments (what follows ``--``), and validate once."""
     source = str(path) if path else "default config"
     data = read_yaml_mapping(Path(path)) if path else {}
     for expr in sets:
         data = apply_set(data, expr)
     if sets:
         source += " (with --set " + ", ".join(sets) + ")"
+    if script is not None or script_args is not None:
+        section = data.get("script")
+        section = dict(section) if isinstance(section, dict) else {}
+        if script is not None:
+            section["path"] = script
+            source += f" (with --script {script})"
+        if script_args is not None:
+            section["args"] = list(script_args)
+        data["script"] = section
     try:
         return ProbeConfig.model_validate(data)
     except ValidationError as exc:

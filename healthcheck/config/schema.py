@@ -220,8 +220,37 @@ class FaultConfig(_Section):
     )
 
 
+class ScriptConfig(_Section):
+    """The user's own training script, probed instead of the built-in trainer (``healthcheck probe --script``)."""
+
+    path: str = Field(
+        description="The training script, run unmodified as __main__ on every worker; relative to the working directory."
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="The script's arguments (its sys.argv[1:]). The text {seed} in an argument is replaced by "
+        "train.seed, so the seeds of `baseline record` reach the script.",
+    )
+
+    def argv(self, seed: int) -> list[str]:
+        """``sys.argv`` for the script: its path, then its arguments with ``{seed}`` filled in.
+
+        >>> ScriptConfig(path="train.py", args=["--seed", "{seed}", "--lr=1e-4"]).argv(7)
+        ['train.py', '--seed', '7', '--lr=1e-4']
+        """
+        return [self.path, *(arg.replace("{seed}", str(seed)) for arg in self.args)]
+
+
 #: Sections a rank override may change; the layout (distributed) and measurement (metrics) are global.
 OVERRIDABLE_SECTIONS = ("model", "data", "train", "faults")
+#: What a --script probe can still apply: the script builds its own model, data, optimizer and DDP.
+SCRIPT_FIELDS = {
+    "train": ("steps", "seed"),
+    "distributed": ("nproc", "device", "backend", "timeout_s", "startup_timeout_s"),
+    "faults": ("grad_noise_std", "step_sleep_ms", "crash_at_step", "crash_mode", "hang_at_step", "startup_hang_launches"),
+}
+#: Sections a --script probe ignores entirely.
+BUILTIN_ONLY_SECTIONS = ("model", "data")
 
 
 class ProbeConfig(_Section):
@@ -244,6 +273,21 @@ class ProbeConfig(_Section):
         description="Per-rank partial config, e.g. {0: {train: {seed: 1041}}}; sections: " + ", ".join(OVERRIDABLE_SECTIONS) + ".",
     )
     baseline: Optional[str] = Field(None, description="Baseline file; None: baselines/<name>.json.")
+    script: Optional[ScriptConfig] = Field(
+        None, description="Probe this training script instead of the built-in trainer (None: the built-in probe)."
+    )
+
+    @model_validator(mode="after")
+    def _check_script_mode(self) -> "ProbeConfig":
+        if self.script is None:
+            return self
+        unusable = builtin_only_fields(self)
+        if unusable:
+            raise ValueError(
+                f"script: {', '.join(unusable)} configure the built-in probe and cannot apply to a --script probe "
+                "(the script builds its own model, data, optimizer and DDP); remove them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_rank_overrides(self) -> "ProbeConfig":
@@ -266,6 +310,31 @@ class ProbeConfig(_Section):
         """Short stable hash of the resolved config (for baselines and reports)."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def builtin_only_fields(config: ProbeConfig) -> list[str]:
+    """The fields a --script probe cannot apply that ``config`` sets away from their defaults.
+
+    Compared by value, not by what the file spelled out, so a full ``config show`` dump or a
+    ``result.json`` snapshot (every field present, unused ones at their defaults) still loads.
+
+    >>> builtin_only_fields(ProbeConfig(train={"lr": 0.1, "steps": 5}, data={"max_length": 64}))
+    ['data.max_length', 'train.lr']
+    """
+    default = ProbeConfig()
+    out = []
+    for section in ("model", "data", "train", "distributed", "faults"):
+        current, reference = getattr(config, section), getattr(default, section)
+        allowed = () if section in BUILTIN_ONLY_SECTIONS else SCRIPT_FIELDS[section]
+        out += [f"{section}.{name}" for name in type(current).model_fields
+                if name not in allowed and getattr(current, name) != getattr(reference, name)]
+    if config.seed_policy != default.seed_policy:
+        out.append("seed_policy")
+    for rank, override in sorted(config.rank_overrides.items()):
+        out += [f"rank_overrides.{rank}.{section}" for section in sorted(map(str, override)) if section != "faults"]
+        out += [f"rank_overrides.{rank}.faults.{name}" for name in sorted(map(str, override.get("faults") or {}))
+                if name not in SCRIPT_FIELDS["faults"]]
+    return sorted(out)
 
 
 def _validate_override(config: ProbeConfig, rank: int, override: dict[str, Any]) -> None:

@@ -7,95 +7,23 @@
 Why ``attach`` takes the trainer: callbacks receive ``kwargs["model"]``, which is the *unwrapped*
 model; the DistributedDataParallel wrapper is ``trainer.model_wrapped``, created by
 ``Trainer._prepare_for_training`` just before ``on_train_begin`` fires. The per-rank loss is not
-passed to callbacks either, so the callback also wraps ``trainer.compute_loss`` for the duration of
-training to tally each micro-batch's summed token loss and label-token count.
+passed to callbacks either: the callback takes it with the same capture a ``--script`` probe uses
+(:mod:`healthcheck.integrations.loss_capture`), so both report the token-weighted loss of each
+rank's step whatever scaling the Trainer or TRL applied (TRL's ``SFTTrainer`` multiplies by the
+world size and divides by a global token count), or say that it is not measured.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from transformers import TrainerCallback
 
 from healthcheck.integrations.live_envelopes import step_aggregates, window_envelopes
+from healthcheck.integrations.loss_capture import LossCapture
 
 log = logging.getLogger(__name__)
-
-
-def _label_tokens(inputs: Mapping[str, Any], shifted: bool):
-    """Tokens that carry loss in one micro-batch, as a device tensor (no host sync), or None."""
-    labels = inputs.get("shift_labels")
-    if labels is None:
-        labels = inputs.get("labels")
-        if labels is None:
-            return None
-        if shifted and labels.dim() >= 2:
-            labels = labels[..., 1:]
-    return (labels != -100).sum()
-
-
-class _LossTally:
-    """Sums each training micro-batch's token loss and loss-carrying tokens while training runs.
-
-    Wraps ``trainer.compute_loss`` (the token count and ``num_items_in_batch`` are known there) and
-    hooks the model's forward (its own ``outputs.loss``, copied before the Trainer rescales that
-    tensor in place by the world size). A causal LM's loss is sum/num_items_in_batch when the Trainer
-    passes that count (models that accept loss kwargs), else the micro-batch mean; multiplying back
-    gives the summed token loss exactly. A custom ``compute_loss_func`` or label smoothing leaves no
-    ``outputs.loss``; the loss ``compute_loss`` returns is then taken as the micro-batch mean.
-    """
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.loss_sum = None
-        self.tokens = None
-        self._model_loss = None
-        self._had_instance_attr = "compute_loss" in vars(trainer)
-        self._original = trainer.compute_loss
-        trainer.compute_loss = self._compute_loss
-        self._hook = trainer.model.register_forward_hook(self._keep_model_loss)
-
-    def _keep_model_loss(self, module, args, output) -> None:
-        loss = output.get("loss") if isinstance(output, Mapping) else None
-        self._model_loss = loss.detach().float().clone() if loss is not None and module.training else None
-
-    def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:  # evaluation goes through compute_loss too
-            return self._original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        config = getattr(self.trainer.model, "config", None)
-        tokens = _label_tokens(inputs, shifted=not getattr(config, "is_encoder_decoder", False))
-        count = tokens if tokens is not None else 1
-        self._model_loss = None
-        returned = self._original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if self._model_loss is not None:
-            passed = num_items_in_batch is not None and getattr(self.trainer, "model_accepts_loss_kwargs", False)
-            summed = self._model_loss * (num_items_in_batch if passed else count)
-        else:
-            loss = returned[0] if return_outputs else returned
-            summed = loss.detach().float().mean() * count
-        self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
-        self.tokens = count if self.tokens is None else self.tokens + count
-        return returned
-
-    def take(self):
-        """This rank's token-mean loss and token count since the last call; resets the tally."""
-        import torch
-
-        if self.loss_sum is None:
-            return float("nan"), None
-        tokens = torch.as_tensor(self.tokens)
-        loss = self.loss_sum / torch.clamp(tokens, min=1)
-        self.loss_sum = self.tokens = None
-        return loss, tokens
-
-    def restore(self) -> None:
-        self._hook.remove()
-        if self._had_instance_attr:
-            self.trainer.compute_loss = self._original
-        else:
-            del self.trainer.compute_loss
 
 
 class HealthcheckCallback(TrainerCallback):
@@ -153,8 +81,10 @@ class HealthcheckCallback(TrainerCallback):
         self.log_prefix = log_prefix
         self.monitor: Any = None
         self.violations: list[str] = []
+        #: Why the per-rank loss is not measured, when it is not (the loss metrics are then absent).
+        self.loss_note: str | None = None
         self.stopped_at_step: int | None = None
-        self._tally: _LossTally | None = None
+        self._capture: LossCapture | None = None
         self._pending: dict[str, float] | None = None
         self._window: list[dict[str, float]] = []
 
@@ -181,13 +111,17 @@ class HealthcheckCallback(TrainerCallback):
             log.warning("HealthcheckCallback: a single process has no workers to compare; the callback does nothing")
             return
         self.monitor = WorkerConsistencyMonitor(wrapped, **self.monitor_options)
-        self._tally = _LossTally(self.trainer)
+        self._capture = LossCapture().__enter__()
+        self._capture.watch(wrapped.module)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.monitor is None or self._tally is None:
+        if self.monitor is None or self._capture is None:
             return
-        loss, tokens = self._tally.take()
-        metrics = self.monitor.end_step(loss, tokens=tokens)  # a collective: every rank, every step
+        step_loss = self._capture.take()
+        if step_loss.loss is None and self.loss_note is None:
+            self.loss_note = f"step {state.global_step}: {step_loss.reason}"
+            log.warning("HealthcheckCallback: loss not measured (%s); the gradient metrics still are", self.loss_note)
+        metrics = self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens)  # a collective: every rank, every step
         if metrics is None:
             return
         self._pending = step_aggregates(metrics)
@@ -227,7 +161,7 @@ class HealthcheckCallback(TrainerCallback):
         return found
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is not None and self._tally is not None:
+        if self.monitor is not None and self._capture is not None:
             self.monitor.close()
-            self._tally.restore()
-            self.monitor = self._tally = None
+            self._capture.close()
+            self.monitor = self._capture = None

@@ -7,13 +7,14 @@ the outcome in ``result.json``.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, WorkerReport
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, RankEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.files import read_jsonl
-from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.audit_outcome import AuditOutcome, not_measured
 from healthcheck.judge.exact_audits import (
     SEED_FIELDS,
     environment_audit,
@@ -41,20 +42,25 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
     evidence = report.evidence
     outcomes: dict[str, AuditOutcome] = {}
     per_rank = evidence.per_rank
-    consumed = [rank_evidence.consumed for rank_evidence in per_rank]
-    epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
-    train = config.train
-    seed = train.data_seed if train.data_seed is not None else train.seed
-    plan = planned_shards(evidence.plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
-    outcomes["data_shards"] = data_shard_audit(consumed, plan)
+    if config.script is not None:
+        outcomes["data_shards"] = script_shard_audit(per_rank)
+    else:
+        consumed = [rank_evidence.consumed for rank_evidence in per_rank]
+        epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
+        train = config.train
+        seed = train.data_seed if train.data_seed is not None else train.seed
+        plan = planned_shards(evidence.plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
+        outcomes["data_shards"] = data_shard_audit(consumed, plan)
     outcomes["param_equality"] = param_equality_audit(evidence.param_checks, evidence.param_names, evidence.param_drift)
     if report.ranks:
+        # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy).
+        entropy_seeded = ("python", "numpy") if config.script is not None else ()
         outcomes["seeds"] = seed_audit([
             {**{field: getattr(info, field) for field in SEED_FIELDS},
              "rng_start": rank_evidence.rng.get("rng_start", {}),
              "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {})}
             for info, rank_evidence in zip(report.ranks, per_rank, strict=True)
-        ])
+        ], entropy_seeded=entropy_seeded)
         outcomes["environment"] = environment_audit([
             {"versions": info.versions, "env": info.env, "device_name": info.device_name, "precision": info.precision,
              **rank_evidence.extra}
@@ -83,3 +89,28 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
+
+
+def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
+    """The shard audit of a --script probe, on what each rank's DataLoader really fetched.
+
+    The plan is rebuilt from the DistributedSampler the ranks read through, with the seed most ranks
+    share (rank 0's on a tie): a rank whose sampler was seeded apart departs from it. Shards from
+    something else (accelerate's batch shards) are judged for identity and overlap only.
+    """
+    consumed = [rank_evidence.consumed for rank_evidence in per_rank]
+    if not any(consumed):
+        return not_measured("no DataLoader batches were seen on any rank: the script samples its data its own way, "
+                            "so shard overlap and order cannot be checked")
+    plans = [rank_evidence.sampler for rank_evidence in per_rank]
+    if any(plan is None for plan in plans):
+        return data_shard_audit(consumed, None)
+    seeds = Counter(plan.seed for plan in plans if plan is not None)
+    top = max(seeds.values())
+    first = plans[0]
+    assert first is not None
+    seed = first.seed if seeds[first.seed] == top else next(s for s, n in seeds.items() if n == top)
+    epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
+    plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs,
+                          drop_last=first.drop_last)
+    return data_shard_audit(consumed, plan)

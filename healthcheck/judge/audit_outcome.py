@@ -12,8 +12,8 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from healthcheck.ranks import rank_span, ranks_phrase
 
-__all__ = ["AuditOutcome", "group_ranks", "grouping_text", "odd_ones_out", "partition_signature", "rank_span",
-           "ranks_phrase"]
+__all__ = ["AuditOutcome", "group_ranks", "grouping_text", "not_measured", "odd_ones_out", "partition_signature",
+           "rank_span", "ranks_phrase"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +25,23 @@ class AuditOutcome:
     signature: str
     ranks: tuple[int, ...] = ()
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: False when the run left no evidence for this audit (a script that samples its data its own
+    #: way): then ``passed`` is True but nothing was checked, and the report says "not measured".
+    measured: bool = True
 
     def to_entry(self) -> dict[str, Any]:
         """The ``result.audits[name]`` record (``details`` keys are flattened in beside the fixed ones)."""
         return {**self.details, "passed": self.passed, "message": self.message, "ranks": list(self.ranks),
-                "signature": self.signature}
+                "signature": self.signature, "measured": self.measured}
+
+
+def not_measured(why: str) -> AuditOutcome:
+    """An audit with no evidence: reported as not measured, never as a silent pass.
+
+    >>> not_measured("no DataLoader batches were seen").message
+    'not measured: no DataLoader batches were seen'
+    """
+    return AuditOutcome(True, f"not measured: {why}", "unmeasured", (), {}, measured=False)
 
 
 # --------------------------------------------------------------------------- rank grouping

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -326,20 +327,39 @@ def _append_history_line(history: Path, line: str) -> None:
         os.fsync(handle.fileno())
 
 
-def record_command(config_hint: Optional[str] = None) -> str:
-    """The exact command that records a baseline, shown whenever one is missing or unusable."""
-    return f"healthcheck baseline record --config {config_hint or '<config>'} --repeats 5"
+def record_command(config: Optional[str] = None, sets: Sequence[str] = (), script: Optional[str] = None,
+                   script_args: Optional[Sequence[str]] = None, repeats: int = 5) -> str:
+    """The command that records a baseline for the probe the user ran, with their own arguments, ready to copy.
+
+    >>> record_command("probe.yaml", ["train.steps=20"], "train.py", ["--lr", "1e-4"])
+    'healthcheck baseline record --config probe.yaml --set train.steps=20 --script train.py --repeats 5 -- --lr 1e-4'
+    >>> record_command()
+    'healthcheck baseline record --repeats 5'
+    """
+    parts = ["healthcheck", "baseline", "record"]
+    if config:
+        parts += ["--config", config]
+    for expr in sets:
+        parts += ["--set", expr]
+    if script:
+        parts += ["--script", script]
+    parts += ["--repeats", str(repeats)]
+    if script_args:
+        parts += ["--", *script_args]
+    return shlex.join(parts)
 
 
-def load_baseline(path: Path | str, config_hint: Optional[str] = None) -> Baseline:
+def load_baseline(path: Path | str, record_hint: Optional[str] = None) -> Baseline:
     """Read and validate a baseline, or raise a one-line :class:`BaselineError` (exit 2).
 
     Args:
         path: The baseline file.
-        config_hint: Config path to show in the "record one with" command when the file is missing.
+        record_hint: The command that records one, shown when the file is missing or too old
+            (default: :func:`record_command` for the default probe).
     """
     path = Path(path)
-    text = read_text(path, missing=f"{path}: no baseline found; record one with: {record_command(config_hint)}",
+    hint = record_hint or record_command()
+    text = read_text(path, missing=f"{path}: no baseline found; record one with: {hint}",
                      unreadable=f"{path}: cannot read baseline", error=BaselineError)
     try:
         data = json.loads(text)
@@ -351,7 +371,7 @@ def load_baseline(path: Path | str, config_hint: Optional[str] = None) -> Baseli
     if version != BASELINE_SCHEMA_VERSION:
         raise BaselineError(
             f"{path}: schema_version: unknown baseline schema version {version!r} (this healthcheck reads "
-            f"{BASELINE_SCHEMA_VERSION}); re-record with: {record_command(config_hint)}"
+            f"{BASELINE_SCHEMA_VERSION}); re-record with: {hint}"
         )
     try:
         return Baseline.model_validate(data)

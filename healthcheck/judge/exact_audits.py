@@ -19,6 +19,7 @@ from healthcheck.judge.audit_outcome import (
     AuditOutcome,
     group_ranks,
     grouping_text,
+    not_measured,
     odd_ones_out,
     partition_signature,
     rank_span,
@@ -32,7 +33,7 @@ SEED_FIELDS = ("seed", "sampler_seed", "torch_seed", "python_seed", "numpy_seed"
 # --------------------------------------------------------------------------- 2. seeds and RNG
 
 
-def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
+def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str] = ()) -> AuditOutcome:
     """Do all ranks share their seeds and the RNG states they start training with?
 
     Each rank's mapping holds the seeds in :data:`SEED_FIELDS` (any subset) and optionally
@@ -40,8 +41,20 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
     The torch/cuda states *after* the first step are reported, not judged: dropout draws as many
     numbers as the padded batch has elements, and that shape differs between ranks by design.
     python and numpy states after the first step are judged (training draws nothing from them).
+
+    ``entropy_seeded`` names generators that start from OS entropy unless the code seeds them
+    (python's and numpy's, in a script healthcheck did not seed). When their states differ on *every*
+    rank, the script never seeded them: that is reported, not judged. Some ranks sharing a state
+    while others differ still fails: a rank that reseeded.
+
+        >>> seed_audit([{"rng_start": {"numpy": str(r)}} for r in range(4)], entropy_seeded=("numpy",)).passed
+        True
+        >>> seed_audit([{"rng_start": {"numpy": "a" if r != 2 else "b"}} for r in range(4)], ("numpy",)).ranks
+        (2,)
     """
-    fields = [f for f in SEED_FIELDS if all(f in r for r in ranks)]
+    fields = [f for f in SEED_FIELDS if all(r.get(f) is not None for r in ranks)]
+    if not fields and not any(r.get("rng_start") for r in ranks):
+        return not_measured("no seed or RNG state was observed on any rank (no training forward before the first step)")
     world = len(ranks)
     everyone = list(range(world))
     details: dict[str, Any] = {f: [r[f] for r in ranks] for f in fields}
@@ -56,6 +69,9 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
             if generators is not None and generator not in generators:
                 continue
             groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
+            if generator in entropy_seeded and len(groups) == world and world > 1:
+                details.setdefault("unseeded", []).append(generator)
+                continue
             if len(groups) > 1:
                 moment = "after seeding" if when == "rng_start" else "after the first step"
                 shared = f"{ranks_phrase(everyone)} share seed {ranks[0]['seed']}, but" if "seed" in fields else ""
@@ -64,7 +80,9 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
                         f"(groups {partition_signature(groups)})").strip()
                 return AuditOutcome(False, text, f"{generator} {partition_signature(groups)}", tuple(odd), details)
     seed = f"seed {ranks[0]['seed']}" if "seed" in fields and ranks else "their seeds"
-    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding",
+    unseeded = sorted(set(details.get("unseeded", ())))
+    note = f" ({' and '.join(unseeded)} never seeded by the code: not judged)" if unseeded else ""
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding{note}",
                         "shared", (), details)
 
 

@@ -35,6 +35,7 @@ class Finding(Record):
         description="Signed distance to the nearest bound in units of the envelope half-width: >0 inside, <0 outside.",
     )
     ranks: list[int] = Field(default_factory=list, description="Ranks the finding is attributed to.")
+    measured: bool = Field(True, description="False: the run left no evidence for this check; nothing was judged.")
     details: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -52,6 +53,7 @@ class Verdict(Record):
     exit_code: int
     baseline_path: Optional[str] = None
     forced: bool = Field(False, description="Compared despite a world-size/device mismatch, because the user forced it.")
+    audits_only: bool = Field(False, description="Only the exact audits were judged (--audits-only); no envelope.")
     notes: list[str] = Field(default_factory=list, description="Caveats the reader must see (e.g. forced comparison).")
     findings: list[Finding] = Field(default_factory=list)
     config_diff: list[ConfigChange] = Field(default_factory=list)

@@ -10,7 +10,7 @@ shared seed, ``set_epoch`` each epoch); :mod:`healthcheck.judge.assemble` builds
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from healthcheck.judge.audit_outcome import AuditOutcome, rank_span, ranks_phrase
 
@@ -70,18 +70,22 @@ def plan_coverage(per_rank: Sequence[Mapping[int, Sequence[int]]], plan: Mapping
 
 
 def data_shard_audit(
-    consumed: Sequence[Sequence[tuple[int, Sequence[int]]]], plan: Mapping[tuple[int, int], Sequence[int]]
+    consumed: Sequence[Sequence[tuple[int, Sequence[int]]]], plan: Optional[Mapping[tuple[int, int], Sequence[int]]]
 ) -> AuditOutcome:
     """Did the ranks read disjoint shards in the planned order, epoch after epoch?
 
     Args:
         consumed: Per rank, the micro-batches it trained on, in order, as ``(epoch, sample_ids)``.
-        plan: ``(rank, epoch) -> sample ids`` of the shared-seed DistributedSampler with ``set_epoch``.
+        plan: ``(rank, epoch) -> sample ids`` of the shared-seed DistributedSampler with ``set_epoch``;
+            None when the data was sharded by something else (accelerate's batch shards), so only
+            identical and overlapping shards can be judged, not the order.
     """
     per_rank = [flatten_epochs(batches) for batches in consumed]
     world = len(per_rank)
     totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
     shared = shard_overlap(per_rank)
+    if plan is None:
+        return _without_plan(per_rank, totals, shared)
     coverage = plan_coverage(per_rank, plan)
     departures = {r: dep for r in range(world) if (dep := _rank_departure(per_rank[r], r, plan)) is not None}
     repeats = {r: eps for r in range(world) if (eps := _epochs_repeating_epoch0(per_rank[r], r, plan))}
@@ -125,6 +129,28 @@ def data_shard_audit(
     return AuditOutcome(True, f"{ranks_phrase(everyone)} read disjoint shards in the planned order "
                         f"({sum(totals)} samples over {len(epochs)} epoch{'s' if len(epochs) != 1 else ''}, "
                         f"100% coverage)", "disjoint", (), details)
+
+
+def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int],
+                  shared: Sequence[int]) -> AuditOutcome:
+    """Identical or overlapping shards, judged without a sampler plan to compare the order with."""
+    world = len(per_rank)
+    everyone = list(range(world))
+    epochs = sorted({e for rank in per_rank for e in rank})
+    details = {"samples_per_rank": list(totals), "shared_per_rank": list(shared), "epochs": len(epochs), "plan": None}
+    if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone):
+        return AuditOutcome(False, f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
+                            "sequences (the effective batch collapsed to one rank's)", "identical", tuple(everyone),
+                            details)
+    if any(shared):
+        overlapping = [r for r in everyone if shared[r]]
+        worst = max(everyone, key=lambda r: (shared[r], -r))
+        return AuditOutcome(False, f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples "
+                            f"with other ranks within an epoch; expected 0", f"overlap {rank_span(overlapping)}",
+                            tuple(overlapping), details)
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} read disjoint shards ({sum(totals)} samples over "
+                        f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}); the order was not checked: no "
+                        "DistributedSampler to rebuild it from", "disjoint", (), details)
 
 
 def _rank_departure(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> tuple[int, int] | None:

@@ -91,6 +91,7 @@ class AuditEntry(BaseModel):
     message: str = Field(description="One sentence on what was checked and found.")
     ranks: list[int] = Field(default_factory=list, description="Ranks the audit blames.")
     signature: Optional[str] = Field(None, description="Seed-independent description of the observed state.")
+    measured: bool = Field(True, description="False when the run left no evidence for this audit.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ class AuditCheck:
             return Finding(check=f"audit.{self.name}", title=title, passed=False, message=message, ranks=entry.ranks,
                            details=details)
         return Finding(check=f"audit.{self.name}", title=title, passed=entry.passed, message=entry.message,
-                       ranks=entry.ranks, details=details)
+                       ranks=entry.ranks, measured=entry.measured, details=details)
 
 
 # --------------------------------------------------------------------------- verdict
@@ -141,7 +142,8 @@ def _layout_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
     return None
 
 
-def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False) -> Verdict:
+def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False,
+          record_hint: Optional[str] = None) -> Verdict:
     """Check every envelope and audit, diff the configs, and collect one verdict.
 
     Raises:
@@ -156,15 +158,33 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
     mismatch = _layout_mismatch(result, baseline)
     if mismatch and not force:
         raise BaselineError(f"{baseline_path or 'baseline'}: {mismatch}; envelopes do not transfer across layouts. "
-                            f"Re-record for this layout ({record_command()}) or pass --force to compare anyway")
+                            f"Re-record for this layout ({record_hint or record_command()}) or pass --force to compare anyway")
     if mismatch:
         notes.append(f"forced comparison: {mismatch}; the envelopes may not apply to this layout")
     if baseline.name != result.name:
         notes.append(f"baseline is for probe {baseline.name!r}, this run is probe {result.name!r}")
     findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
     findings += [AuditCheck(name, baseline.audits.get(name)).evaluate(result) for name in sorted(result.audits)]
+    if result.loss_note:
+        notes.append(f"loss not measured: {result.loss_note}")
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
     return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff)
+
+
+def judge_audits_only(result: RunResult) -> Verdict:
+    """The exact audits against their ideal expectations, with no baseline (``--audits-only``).
+
+    For a first run, before any baseline exists: every audit's evidence is judged as a healthy run
+    would show it (disjoint shards, shared seeds, equal parameters, ...). No envelope is judged.
+    """
+    if result.status != "complete":
+        raise ProbeFailed(f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); "
+                          f"an unfinished probe is not judged")
+    notes = ["audits only: no baseline envelope was judged; each audit was judged against its ideal expectation"]
+    if result.loss_note:
+        notes.append(f"loss not measured: {result.loss_note}")
+    findings = [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
+    return Verdict.collect(findings, notes=notes, audits_only=True)
 
 
 def write_verdict(run_dir: Path | str, verdict: Verdict) -> Path:

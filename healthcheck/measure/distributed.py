@@ -239,24 +239,3 @@ def set_worker_threads(local_world_size: int) -> None:
 
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
-
-
-ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_")
-
-
-def rank_environment() -> dict[str, str]:
-    """The communication/runtime variables that must agree across ranks (for the environment audit)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-
-
-def device_name(device) -> str:
-    """Human name of a device: the GPU model, or the CPU's."""
-    import platform
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "npu":
-        return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
-    return platform.processor() or platform.machine() or "cpu"

@@ -21,7 +21,7 @@ import pickle
 import random
 from typing import Any, Mapping, Optional, Sequence
 
-from healthcheck.artifacts import AuditEvidence, RankEvidence
+from healthcheck.artifacts import AuditEvidence, RankEvidence, SamplerPlan
 from healthcheck.measure import distributed as hdist
 
 #: Elements hashed at a time: bounds the int64 temporaries to a few tens of MiB per tensor.
@@ -52,6 +52,10 @@ class AuditRecorder:
         self.param_checks: list[tuple[int, list[list[int]]]] = []
         self.param_drift: list[tuple[int, list[float]]] = []
         self.last_step: int | None = None
+        #: What sharded the data and whether the loss was seen; a --script probe learns these as it runs.
+        self.sampler: Optional[SamplerPlan] = None
+        self.shard_source = "sampler"
+        self.loss_problem: Optional[str] = None
 
     def record_batch(self, epoch: int, sample_ids: Sequence[int]) -> None:
         self.consumed.append((int(epoch), [int(i) for i in sample_ids]))
@@ -74,7 +78,8 @@ class AuditRecorder:
         """
         if self.last_step is not None and (not self.param_checks or self.param_checks[-1][0] != self.last_step):
             self._check_params(self.last_step)
-        local_evidence = RankEvidence(consumed=self.consumed, rng=self.rng, extra=self.extra)
+        local_evidence = RankEvidence(consumed=self.consumed, rng=self.rng, extra=self.extra, sampler=self.sampler,
+                                      shard_source=self.shard_source, loss_problem=self.loss_problem)
         everyone = hdist.all_gather_objects(local_evidence.model_dump())
         if hdist.rank() != 0:
             return None
@@ -189,17 +194,18 @@ def rng_state_hashes(device: Any = None) -> dict[str, str]:
 
 
 def planned_shards(
-    n_samples: int, world_size: int, seed: int, shuffle: bool, micro_batch_size: int, epochs: int
+    n_samples: int, world_size: int, seed: int, shuffle: bool, micro_batch_size: int, epochs: int,
+    drop_last: bool = True,
 ) -> dict[tuple[int, int], list[int]]:
     """``(rank, epoch) -> sample ids`` that a correct run reads: torch's own DistributedSampler with the
-    shared seed, ``set_epoch(epoch)`` each epoch and ``drop_last``, cut to whole micro-batches."""
+    shared seed and ``set_epoch(epoch)`` each epoch, cut to whole micro-batches (1: no cut)."""
     from torch.utils.data.distributed import DistributedSampler
 
     plan = {}
     for rank in range(world_size):
         sampler: Any = DistributedSampler(
             range(n_samples),  # type: ignore[arg-type]  # any sized sequence works; the stub wants a Dataset
-            num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True,
+            num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
         )
         for epoch in range(epochs):
             sampler.set_epoch(epoch)

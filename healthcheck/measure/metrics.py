@@ -35,7 +35,7 @@ class StepMetrics:
     direction: str  #: "exact" or "sketch": how ``pairwise_cosine`` was obtained
     world_size: int
     buckets: int  #: DDP gradient buckets that contributed this step
-    per_rank_loss: list[float]
+    per_rank_loss: list[float]  #: NaN where a rank's loss was not measured
     per_rank_tokens: list[int] | None  #: None when any rank passed no token count
     per_rank_grad_norm: list[float]
     cosine_to_mean: list[float]  #: cos(g_i, ḡ), exact in both direction modes
@@ -53,6 +53,7 @@ class StepMetrics:
     noise_scale: float  #: B_simple = trace_sigma_est / grad_sqnorm_est, in ``noise_scale_unit``
     noise_scale_unit: str  #: "tokens" or "batches"
     nonfinite_ranks: list[int]
+    loss_measured: bool  #: every rank's loss was known; else the loss dispersions are NaN (not measured)
     per_rank_extras: dict[str, list[float]]
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,6 +276,7 @@ def compute_step_metrics(
     gram: Any,
     per_rank_tokens: Sequence[float] | None = None,
     nonfinite_flags: Sequence[bool] | None = None,
+    loss_measured: Sequence[bool] | None = None,
     per_rank_extras: Mapping[str, Sequence[float]] | None = None,
     buckets: int = 0,
 ) -> StepMetrics:
@@ -290,6 +292,8 @@ def compute_step_metrics(
         gram: N×N Gram matrix (exact or sketched) giving the pairwise cosines.
         per_rank_tokens: Token counts per rank; noise-scale units are tokens when all are given.
         nonfinite_flags: Extra per-rank non-finite flags (OR-ed with the loss/norm checks).
+        loss_measured: Per rank, whether its loss is known (default: all); an unknown loss is NaN but
+            not a non-finite event, and makes the step's loss dispersions NaN.
         per_rank_extras: Caller scalars per rank, passed through.
         buckets: Number of gradient buckets that contributed, passed through.
 
@@ -305,13 +309,16 @@ def compute_step_metrics(
     world = len(losses)
     norms = [math.sqrt(value) if value >= 0 else NAN for value in sqnorms]
     flags = list(nonfinite_flags) if nonfinite_flags is not None else [False] * world
+    measured = list(loss_measured) if loss_measured is not None else [True] * world
+    losses = [loss if measured[rank] else NAN for rank, loss in enumerate(losses)]
     nonfinite = [
         rank
         for rank in range(world)
-        if flags[rank] or not math.isfinite(losses[rank]) or not math.isfinite(sqnorms[rank])
+        if flags[rank] or (measured[rank] and not math.isfinite(losses[rank])) or not math.isfinite(sqnorms[rank])
     ]
     pairwise = gram_to_cosine(gram)
-    loss_std, loss_range, _ = dispersion(losses)
+    # A dispersion over the ranks that happened to be measured would be a different quantity: all or nothing.
+    loss_std, loss_range, _ = dispersion(losses) if all(measured) else (NAN, NAN, NAN)
     grad_norm_std, _, grad_norm_cv = dispersion(norms)
     cosine_mean, cosine_min = cosine_summary(pairwise)
     tokens = as_floats(per_rank_tokens) if per_rank_tokens is not None else None
@@ -342,6 +349,7 @@ def compute_step_metrics(
         noise_scale=noise,
         noise_scale_unit=unit,
         nonfinite_ranks=nonfinite,
+        loss_measured=all(measured),
         per_rank_extras={key: as_floats(values) for key, values in (per_rank_extras or {}).items()},
     )
 

@@ -47,8 +47,8 @@ from healthcheck.measure.precision import dot_fp32
 
 DIRECTIONS = ("exact", "sketch")
 # Layout of the per-rank vector gathered by end_step, before the extras and the sketch.
-_LOSS, _TOKENS, _SQNORM, _DOT, _MEAN_SQNORM, _NONFINITE = range(6)
-_HEADER = 6
+_LOSS, _TOKENS, _SQNORM, _DOT, _MEAN_SQNORM, _NONFINITE, _LOSS_MEASURED = range(7)
+_HEADER = 7
 
 
 class WorkerConsistencyMonitor:
@@ -170,7 +170,8 @@ class WorkerConsistencyMonitor:
         backward and before ``optimizer.step()``.
 
         Args:
-            loss: This rank's loss (0-d tensor or float), e.g. the response-token-weighted mean.
+            loss: This rank's loss (0-d tensor or float), e.g. the response-token-weighted mean; None when
+                it is not known (the loss metrics are then not measured; the gradient metrics still are).
             tokens: This rank's token count for the step (int or 0-d tensor), or None; the
                 noise scale is in tokens when every rank gives one, else in batches.
             extras: Per-rank scalars to gather in the same collective (same keys on every rank).
@@ -222,8 +223,10 @@ class WorkerConsistencyMonitor:
             dot, mean_sqnorm = _sum_partials(self._dot, indices), _sum_partials(self._mean_sqnorm, indices)
         else:  # read off the float64 Gram below instead
             dot = mean_sqnorm = torch.zeros((), dtype=torch.float64, device=device)
-        nonfinite = (~torch.isfinite(loss_value) | ~torch.isfinite(sqnorm)).to(torch.float64)
-        header = [loss_value, scalar(tokens), sqnorm, dot, mean_sqnorm, nonfinite]
+        loss_measured = scalar(0.0 if loss is None else 1.0)
+        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
+        nonfinite = ((loss_measured > 0) & ~torch.isfinite(loss_value) | ~torch.isfinite(sqnorm)).to(torch.float64)
+        header = [loss_value, scalar(tokens), sqnorm, dot, mean_sqnorm, nonfinite, loss_measured]
         parts = [torch.stack(header + [scalar(extras[name]) for name in names])]
         if exact and not checking:
             exact_gram, fused = self._stream(indices, gram=True, reduction=False, header=parts[0])
@@ -259,6 +262,7 @@ class WorkerConsistencyMonitor:
             gram=gram_rows,
             per_rank_tokens=None if any(math.isnan(t) for t in tokens_column) else tokens_column,
             nonfinite_flags=[flag != 0 for flag in column(_NONFINITE)],
+            loss_measured=[flag != 0 for flag in column(_LOSS_MEASURED)],
             per_rank_extras={name: column(_HEADER + j) for j, name in enumerate(names)},
             buckets=len(indices),
         )

@@ -31,9 +31,14 @@ def verdict_headline(verdict: Optional[Verdict], status: str, failure: Optional[
     if verdict is None:
         return "NO BASELINE", "probe complete, nothing judged (no verdict)", "warn"
     total, failed = len(verdict.findings), len(verdict.failures)
+    unmeasured = sum(1 for f in verdict.findings if not f.measured)
+    scope = " (audits only: no envelope was judged)" if verdict.audits_only else ""
     if verdict.status == "fail":
-        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed", "fail"
-    return "PASS", f"all {total} checks within their baseline envelopes", "pass"
+        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed{scope}", "fail"
+    judged = f"{total - unmeasured} checks" + (f" ({unmeasured} not measured)" if unmeasured else "")
+    if verdict.audits_only:
+        return "PASS", f"all {judged} meet their ideal expectations{scope}", "pass"
+    return "PASS", f"all {judged} within their baseline envelopes", "pass"
 
 
 def format_number(value: Optional[float], spec: str = ".4g") -> str:
@@ -72,7 +77,7 @@ def ranks_suffix(finding: Finding) -> str:
 
 def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
     """One row per finding, failures first, then the closest to a bound: cells as in :data:`CHECK_COLUMNS`."""
-    ordered = sorted(verdict.findings, key=lambda f: (f.passed, f.margin if f.margin is not None else math.inf))
+    ordered = sorted(verdict.findings, key=lambda f: (f.passed, not f.measured, f.margin if f.margin is not None else math.inf))
     return [
         (
             f,
@@ -81,7 +86,7 @@ def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
                 f.statistic or "-",
                 format_number(f.observed),
                 format_envelope(f),
-                "ok" if f.passed else "FAIL",
+                "FAIL" if not f.passed else ("ok" if f.measured else "n/a"),
                 format_number(f.margin, "+.2f"),
             ),
         )

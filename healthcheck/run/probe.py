@@ -32,10 +32,12 @@ from healthcheck.judge.assemble import run_audits
 from healthcheck.judge.summary import summarize_run
 from healthcheck.measure import distributed as hdist
 from healthcheck.run import launcher
+from healthcheck.run.console import HeartbeatProgress
 from healthcheck.run.data import check_data_inputs, prepare_samples
 from healthcheck.run.failures import ERRORS_DIR, describe_failure, input_error_in_workers
 from healthcheck.run.modeling import PRESETS, load_tokenizer, model_source
-from healthcheck.run.watchdog import HEARTBEAT_DIR, Watchdog
+from healthcheck.run.script_worker import script_exists_error, script_worker
+from healthcheck.run.watchdog import HEARTBEAT_DIR, Watchdog, read_beats
 from healthcheck.run.worker import probe_worker
 from healthcheck.version import __version__
 
@@ -48,10 +50,15 @@ STARTUP_ATTEMPTS = 2
 
 
 def preflight(config: ProbeConfig) -> None:
-    """Fail with exit 2 before any worker starts: missing model dir or data file, unknown preset.
+    """Fail with exit 2 before any worker starts: missing script, model dir or data file, unknown preset.
 
     Every rank's effective config is checked, so a bad path hidden in a rank override is caught too.
     """
+    if config.script is not None:
+        problem = script_exists_error(config.script.path)
+        if problem:
+            raise InvalidInput(problem)
+        return
     ranks = [0, *sorted(config.rank_overrides)]
     for rank in ranks:
         rank_config = resolve_for_rank(config, rank)
@@ -65,9 +72,11 @@ def warm_parent_caches(config: ProbeConfig) -> None:
     Only imports and tokenization happen here, never torch compute: forking after torch's OpenMP
     pool has started can deadlock the children.
     """
+    launcher.prepare_fork()
+    if config.script is not None:
+        return  # the script imports what it needs; guessing would cost every probe the imports of all
     from transformers import AutoConfig  # noqa: F401  (imports the auto machinery once)
 
-    launcher.prepare_fork()
     tokenizer = load_tokenizer(config.model)
     prepare_samples(config.data, tokenizer, cache_key=config.model.name)
     if model_source(config.model.name) == "preset":
@@ -76,7 +85,7 @@ def warm_parent_caches(config: ProbeConfig) -> None:
         MODEL_FOR_CAUSAL_LM_MAPPING[type(PRESETS[config.model.name][1](len(tokenizer), 1024))]
 
 
-def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResult | None, Path]:
+def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool = False) -> tuple[RunResult | None, Path]:
     """Run the probe and return ``(result, run_dir)``; ``result`` is None on non-zero ranks under torchrun.
 
     A crash, hang or interrupt still returns: the result is marked incomplete or interrupted, names
@@ -100,13 +109,17 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
     try:
         while True:
             attempts += 1
-            args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts)
+            args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts,
+                    not verbose)
+            progress = HeartbeatProgress(config.name, config.train.steps)
             watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s,
-                                startup_timeout_s=config.distributed.startup_timeout_s)
+                                startup_timeout_s=config.distributed.startup_timeout_s, on_poll=progress.update)
             try:
+                entrypoint = script_worker if config.script is not None else probe_worker
                 with watchdog, launcher.interrupts_as_keyboard_interrupt():
-                    reports = launcher.launch_local(probe_worker, config.distributed.nproc, args,
+                    reports = launcher.launch_local(entrypoint, config.distributed.nproc, args,
                                                     run_id=f"healthcheck-{config.name}")
+                progress.update(read_beats(run_dir))  # the last steps may finish between two polls
                 break
             except ProbeFailed:
                 # Stuck before any rank trained: nothing was measured, so starting again changes no
@@ -115,6 +128,7 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
                 # keeps an unknown one from costing a whole distributed.timeout_s.
                 if not (watchdog.stalled_in_startup and attempts < STARTUP_ATTEMPTS):
                     raise
+                progress.close()
                 print(f"healthcheck: {watchdog.fired}; relaunching the workers "
                       f"(attempt {attempts + 1} of {STARTUP_ATTEMPTS})", file=sys.stderr, flush=True)
                 clear_launch_state(run_dir)
@@ -132,6 +146,7 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None) -> tuple[RunResu
     else:
         result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
                               report=reports.get(0), status="complete")
+    progress.close()  # the progress line ends before the report prints
     result.timing.launch_attempts = attempts
     write_result(run_dir, result)
     return result, run_dir
@@ -143,13 +158,10 @@ def clear_launch_state(run_dir: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run_as_worker(config, run_dir, started_wall, started_at):
-    """Under torchrun: rank 0 picks the run directory and every rank learns it before training."""
-    device_type = hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size)
-    hdist.init_distributed(device_type, hdist.resolve_backend(config.distributed.backend, device_type), config.distributed.timeout_s)
-    is_rank0 = hdist.rank() == 0
+def _agree_on_run_dir(config: ProbeConfig, run_dir: Optional[Path]) -> str:
+    """Collective: rank 0 claims the run directory and every rank learns it (or rank 0's refusal)."""
     chosen, refusal = None, None
-    if is_rank0:
+    if hdist.rank() == 0:
         try:
             chosen = str(prepare_run_dir(run_dir or default_run_dir(config.name)))
             write_text_atomic(Path(chosen) / CONFIG_FILE, dump_yaml(config))
@@ -161,9 +173,35 @@ def _run_as_worker(config, run_dir, started_wall, started_at):
     if refusal is not None:
         hdist.destroy_distributed()
         raise InvalidInput(refusal)
-    run_path = Path(chosen)
-    report = probe_worker(config.model_dump_json(), chosen, started_wall)
-    if not is_rank0:
+    assert chosen is not None
+    return chosen
+
+
+def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: float,
+                   started_at: str) -> tuple[Optional[RunResult], Path]:
+    """Under torchrun: every process is one worker; rank 0 picks the run directory and writes the result.
+
+    A --script probe leaves the process group to the script (it calls init_process_group itself), so
+    the directory is agreed on inside that call; the built-in probe creates the group first.
+    """
+    if config.script is not None:
+        chosen_box: list[str] = []
+
+        def choose() -> str:
+            chosen_box.append(_agree_on_run_dir(config, run_dir))
+            return chosen_box[-1]
+
+        report = script_worker(config.model_dump_json(), None, started_wall, choose_run_dir=choose)
+        if not chosen_box:
+            raise InvalidInput("the script never created a process group (torch.distributed.init_process_group)")
+        run_path = Path(chosen_box[-1])
+    else:
+        device_type = hdist.resolve_device(config.distributed.device, hdist.get_dist_info().local_world_size)
+        backend = hdist.resolve_backend(config.distributed.backend, device_type)
+        hdist.init_distributed(device_type, backend, config.distributed.timeout_s)
+        run_path = Path(_agree_on_run_dir(config, run_dir))
+        report = probe_worker(config.model_dump_json(), str(run_path), started_wall)
+    if hdist.get_dist_info().rank != 0:
         return None, run_path
     result = build_result(config=config, run_dir=run_path, started_at=started_at, started_wall=started_wall,
                           report=report, status="complete")
@@ -231,4 +269,13 @@ def build_result(
         standouts=summary["standouts"],
         nonfinite=summary["nonfinite"],
         audits=run_audits(config, report, run_dir, summary["nonfinite"]) if report else {},
+        loss_note=_loss_note(report),
     )
+
+
+def _loss_note(report: Optional[WorkerReport]) -> Optional[str]:
+    """Why the per-rank loss was not measured: the first rank that could not see it, in its words."""
+    for rank, evidence in enumerate(report.evidence.per_rank if report else ()):
+        if evidence.loss_problem:
+            return f"rank {rank}, {evidence.loss_problem}"
+    return None

@@ -124,6 +124,7 @@ class TrainLoop:
         heartbeat: The watchdog's view of this rank's progress.
         audit: The exact audits' recorder, or None.
         step_marker: ``{"step": s}``, the step in progress, for a crash report.
+        show_progress: Whether rank 0 prints the progress line itself.
     """
 
     config: ProbeConfig
@@ -139,6 +140,8 @@ class TrainLoop:
     heartbeat: Heartbeat
     audit: Optional[AuditRecorder] = None
     step_marker: dict[str, Optional[int]] = dataclasses.field(default_factory=lambda: {"step": None})
+    #: Rank 0 prints its own progress line only when no launcher of ours shows one (under torchrun).
+    show_progress: bool = True
     steps_completed: int = 0
     stopped_early: Optional[str] = None
     train_s: float = 0.0
@@ -150,7 +153,7 @@ class TrainLoop:
         progress = None
         if self.info.rank == 0:
             writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
-            progress = StepProgress(self.config.name, self.config.train.steps)
+            progress = StepProgress(self.config.name, self.config.train.steps) if self.show_progress else None
         start = time.perf_counter()
         try:
             for step in range(self.config.train.steps):
@@ -210,7 +213,7 @@ class TrainLoop:
         return metrics
 
 
-def write_rows(writers: tuple[JsonlWriter, JsonlWriter], step: int, metrics: Any, lr: float) -> None:
+def write_rows(writers: tuple[JsonlWriter, JsonlWriter], step: int, metrics: Any, lr: Optional[float]) -> None:
     """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
     steps_writer, aggregates_writer = writers
     data = metrics.to_dict()

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from healthcheck.ranks import ranks_phrase
 
@@ -23,7 +24,8 @@ HEARTBEAT_DIR = "heartbeat"
 #: Phases of one step, in order; a rank further along has a higher (step, phase index).
 #: "backward" is the final micro-step's backward, where DDP's all-reduce runs: a rank waiting there
 #: for a peer is distinguishable from the peer still computing.
-PHASES = ("start", "compute", "backward", "sync", "optimizer")
+#: "script" is a --script probe's worker before its first optimizer step.
+PHASES = ("start", "script", "compute", "backward", "sync", "optimizer")
 
 
 class Heartbeat:
@@ -82,7 +84,8 @@ def describe_hang(beats: list[RankBeat], expected_ranks: int, idle_s: float) -> 
     laggards = [b for b in beats if b.progress == lowest]
     others = [b for b in beats if b.progress != lowest]
     first = laggards[0]
-    where = f"step {first.step} ({first.phase})" if first.step >= 0 else "start-up"
+    where = f"step {first.step} ({first.phase})" if first.step >= 0 else (
+        "the script, before its first optimizer step" if first.phase == "script" else "start-up")
     if not others:
         return f"no progress for {idle_s:.0f} s: every rank stuck in {where}"
     ahead = max(others, key=lambda b: b.progress)
@@ -101,8 +104,10 @@ class Watchdog:
     """
 
     def __init__(self, run_dir: Path, nproc: int, timeout_s: float, poll_s: float = 0.5,
-                 startup_timeout_s: float | None = None):
+                 startup_timeout_s: float | None = None, on_poll: Callable[[list[RankBeat]], None] | None = None):
         self.run_dir, self.nproc, self.timeout_s, self.poll_s = run_dir, nproc, timeout_s, poll_s
+        #: Called with every poll's heartbeats (the launcher's progress line reads them).
+        self.on_poll = on_poll
         self.startup_timeout_s = min(startup_timeout_s or timeout_s, timeout_s)
         self.fired: str | None = None
         self.stalled_in_startup = False
@@ -122,6 +127,8 @@ class Watchdog:
         last_signature = None
         while not self._stop.wait(self.poll_s):
             beats = read_beats(self.run_dir)
+            if self.on_poll is not None:
+                self.on_poll(beats)
             waited = time.monotonic() - started
             if len(beats) < self.nproc and waited >= self.startup_timeout_s:
                 missing = sorted(set(range(self.nproc)) - {b.rank for b in beats})

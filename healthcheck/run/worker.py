@@ -11,7 +11,6 @@ Rank 0 returns a :class:`~healthcheck.artifacts.WorkerReport`; a rank that fails
 
 from __future__ import annotations
 
-import platform
 import random
 import time
 from pathlib import Path
@@ -21,7 +20,9 @@ from healthcheck.artifacts import RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.errors import InvalidInput
 from healthcheck.measure import distributed as hdist
+from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.data import MicroBatches, load_rows, prepare_samples, shard_plan
 from healthcheck.run.failures import record_worker_failure
 from healthcheck.run.faults import before_process_group as faults_before_process_group
@@ -59,34 +60,26 @@ def lr_lambda(warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def versions() -> dict[str, str]:
-    """The software and determinism settings a rank runs with (compared by the environment audit)."""
-    import torch
-    import transformers
-
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    if torch.version.cuda:
-        out["cuda"] = str(torch.version.cuda)
-    out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
-    out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
-    out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
-    return out
-
-
 def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: Optional[float] = None,
-                 launch_attempt: int = 1) -> Optional[WorkerReport]:
-    """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's report."""
+                 launch_attempt: int = 1, quiet_console: bool = False) -> Optional[WorkerReport]:
+    """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's report.
+
+    ``quiet_console``: under healthcheck's own launcher, this worker's output goes to its log in the run
+    directory and the launcher shows the progress (see :mod:`healthcheck.run.console`).
+    """
     config = ProbeConfig.model_validate_json(config_json)
     step_marker: dict[str, Optional[int]] = {"step": None}
+    if quiet_console:
+        redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
     try:
-        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt)
+        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt, not quiet_console)
     except BaseException as exc:
         record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, step_marker["step"], exc)
         raise
 
 
 def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: dict[str, Optional[int]],
-           pg_timeout_s: Optional[float], launch_attempt: int) -> Optional[WorkerReport]:
+           pg_timeout_s: Optional[float], launch_attempt: int, show_progress: bool) -> Optional[WorkerReport]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -132,9 +125,9 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
 
         rank_info = RankInfo(
             rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
-            device_name=hdist.device_name(device), seed=rank_config.train.seed, sampler_seed=plan.seed,
+            device_name=device_name(device), seed=rank_config.train.seed, sampler_seed=plan.seed,
             sampler_rank=plan.rank, sampler_replicas=plan.replicas, precision=rank_config.train.precision,
-            versions=versions(), env=hdist.rank_environment(), **seeds,
+            versions=versions(), env=rank_environment(), **seeds,
         )
         all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]
         audit = AuditRecorder(model, param_check_every=config.metrics.param_check_every,
@@ -144,7 +137,7 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
         loop = TrainLoop(
             config=config, rank_config=rank_config, info=info, device=device, ddp=ddp, monitor=monitor,
             optimizer=optimizer, scheduler=scheduler, batches=batches, run_dir=run_dir, heartbeat=heartbeat,
-            audit=audit, step_marker=step_marker,
+            audit=audit, step_marker=step_marker, show_progress=show_progress,
         )
         first_step_at = time.time()
         loop.run()

@@ -10,6 +10,7 @@ DDP wrapper from the launcher's environment, exactly as under torchrun.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from healthcheck.judge.baseline import Baseline, save_baseline
 from healthcheck.judge.envelope import Envelope
 from healthcheck.run import launcher
 
+CLIENTS = Path(__file__).resolve().parents[1] / "clients"
 SEQ_LEN = 24
 BATCH = 2
 GRAD_ACCUM = 2
@@ -122,6 +124,55 @@ def test_stop_on_violation_stops_every_rank_early(tmp_path):
     flagged = [row for row in out[0]["log_history"] if "healthcheck/violations" in row]
     assert [row["step"] for row in flagged] == [3]
     assert math.isfinite(flagged[0]["healthcheck/cosine_mean"])
+
+
+def sft_worker(output_dir: str, model_dir: str) -> dict:
+    """TRL's SFTTrainer (prompt/completion rows, completion_only_loss, accumulation 2) with the callback."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from healthcheck.integrations import HealthcheckCallback
+    from healthcheck.run.data import synthetic_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = [{"prompt": f"### Instruction:\n{r['instruction']} {r['input']}\n\n### Response:\n", "completion": r["output"]}
+            for r in synthetic_rows(128, seed=3)]
+    args = SFTConfig(
+        output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=MAX_STEPS,
+        per_device_train_batch_size=BATCH, gradient_accumulation_steps=GRAD_ACCUM, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        completion_only_loss=True, max_length=128,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    callback = HealthcheckCallback.attach(trainer, sketch_dim=256)
+    trainer.train()
+    return {"log_history": trainer.state.log_history, "loss_note": callback.loss_note}
+
+
+@pytest.mark.multiprocess
+def test_callback_reports_the_real_per_rank_loss_under_trl(tmp_path):
+    # TRL computes its loss from the fused head's log-probs, divides by a global token count and
+    # multiplies by the world size; the callback once reported world size x accumulation = 4x the
+    # loss here. Now it must agree with TRL's own logged (token-weighted) loss.
+    import sys
+
+    sys.path.insert(0, str(CLIENTS))
+    try:
+        from make_model import make_tiny_llama
+    finally:
+        sys.path.remove(str(CLIENTS))
+    model_dir = make_tiny_llama(str(tmp_path / "model"))
+    out = launcher.launch_local(sft_worker, 2, (str(tmp_path / "trainer"), model_dir), run_id="hc-callback-trl")
+    history = out[0]["log_history"]
+    ours = _healthcheck_rows(history)
+    theirs = [row for row in history if "loss" in row]
+    assert out[0]["loss_note"] is None and len(ours) == MAX_STEPS
+    assert [row["step"] for row in ours] == [row["step"] for row in theirs]
+    for mine, trl in zip(ours, theirs):
+        # healthcheck's mean of the two ranks' token-weighted losses against TRL's global token mean.
+        assert mine["healthcheck/loss_mean"] == pytest.approx(trl["loss"], rel=0.01), (mine, trl)
 
 
 # --------------------------------------------------------------------------- envelopes (no processes)

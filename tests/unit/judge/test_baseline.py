@@ -24,6 +24,7 @@ from healthcheck.judge.baseline import (
     fit_baseline,
     history_path,
     load_baseline,
+    record_command,
     save_baseline,
 )
 from healthcheck.judge.envelope import METRICS, envelope_multiplier, fit_envelope, t_quantile
@@ -240,8 +241,11 @@ def _load_error(path: Path, **kwargs) -> str:
 
 def test_missing_baseline_names_the_record_command(tmp_path):
     path = tmp_path / "default.json"
-    assert "healthcheck baseline record --config probe.yaml --repeats 5" in _load_error(path, config_hint="probe.yaml")
-    assert _load_error(path).startswith(f"{path}: no baseline found")
+    hint = record_command("probe.yaml", ["train.steps=20"])
+    assert hint == "healthcheck baseline record --config probe.yaml --set train.steps=20 --repeats 5"
+    assert _load_error(path, record_hint=hint).endswith(f"record one with: {hint}")
+    # Without a hint, the command for the default probe: runnable as printed, no placeholder.
+    assert _load_error(path) == f"{path}: no baseline found; record one with: healthcheck baseline record --repeats 5"
 
 
 def _saved(tmp_path: Path) -> tuple[Path, dict]:

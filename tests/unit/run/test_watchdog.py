@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from healthcheck.run.watchdog import HEARTBEAT_DIR, Heartbeat, RankBeat, Watchdog, describe_hang, read_beats
+from healthcheck.run.watchdog import HEARTBEAT_DIR, PHASES, Heartbeat, RankBeat, Watchdog, describe_hang, read_beats
 
 
 def test_heartbeat_files_round_trip_and_a_torn_one_is_skipped(tmp_path):
@@ -16,7 +16,7 @@ def test_heartbeat_files_round_trip_and_a_torn_one_is_skipped(tmp_path):
     (tmp_path / HEARTBEAT_DIR / "rank-9.json").write_text("{torn")
     beats = read_beats(tmp_path)
     assert [(b.rank, b.step, b.phase) for b in beats] == [(3, 7, "backward")]
-    assert beats[0].progress == (7, 2)
+    assert beats[0].progress == (7, PHASES.index("backward"))
 
 
 def test_describe_hang_names_the_least_advanced_rank():

@@ -1,0 +1,278 @@
+"""Each rank's own loss for one optimizer step, taken from a training script that knows nothing about it.
+
+A micro-batch starts with each forward of the watched model under autograd (evaluation forwards run
+without gradients and are ignored). Within it, the summed token loss S and the number of
+loss-carrying tokens N come from the first source that saw them:
+
+1. ``healthcheck.record_loss(loss, tokens)``, the one optional call for custom losses;
+2. a fused output with ``log_probs`` and ``label_mask`` (TRL's ``SFTTrainer``: no cross-entropy call
+   happens, S = −Σ log_probs, N = Σ label_mask);
+3. ``torch.nn.functional.cross_entropy`` (which ``nn.CrossEntropyLoss`` and Hugging Face models call):
+   S is recovered exactly from the call's own result and reduction (``mean`` × N, ``sum``, ``none``
+   summed), N counts the targets that are not ``ignore_index``;
+4. the model output's ``loss`` times ``num_items_in_batch`` when the Trainer passed it (S / N_global
+   then, with N_global the count over every rank), else times the label count.
+
+The step's loss is S/N summed over its micro-batches: the token-weighted mean of this rank's step,
+whatever scaling the trainer applied afterwards (transformers multiplies by the world size, TRL
+divides by a global count). Where no source is unambiguous the loss is not measured and the reason
+says why; a number is never silently rescaled. No host sync happens until :meth:`LossCapture.take`.
+
+Outside a probe, :func:`record_loss` does nothing, so a script may call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class StepLoss:
+    """One rank's loss for one optimizer step: the token-weighted mean, or why it is not measured."""
+
+    loss: Optional[float]
+    tokens: Optional[int]
+    reason: Optional[str] = None  #: why ``loss`` is None
+
+
+@dataclasses.dataclass
+class _MicroBatch:
+    explicit: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    fused: Optional[tuple[Any, Any]] = None
+    cross_entropy: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    model_loss: Optional[Any] = None
+    labels: Optional[Any] = None
+    num_items: Optional[Any] = None
+    problem: Optional[str] = None
+
+
+class LossCapture:
+    """Collects the current step's micro-batch losses on this rank; :meth:`take` closes the step."""
+
+    def __init__(self) -> None:
+        self._micro: list[_MicroBatch] = []
+        self._outside: list[tuple[Any, Any]] = []  # record_loss calls before any training forward
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ wiring
+
+    def watch(self, module: Any) -> None:
+        """Open a micro-batch at every training forward of ``module`` and read its output."""
+        self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True))
+
+    def __enter__(self) -> LossCapture:
+        _ACTIVE.append(self)
+        _patch_cross_entropy()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _unpatch_cross_entropy()
+
+    # ------------------------------------------------------------------ observations
+
+    def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        labels = kwargs.get("labels")
+        self._micro.append(_MicroBatch(labels=labels if isinstance(labels, torch.Tensor) else None,
+                                       num_items=kwargs.get("num_items_in_batch")))
+
+    def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        import torch
+
+        if not torch.is_grad_enabled() or not self._micro:
+            return
+        micro = self._micro[-1]
+        log_probs, label_mask, loss = (_field(output, name) for name in ("log_probs", "label_mask", "loss"))
+        if isinstance(log_probs, torch.Tensor) and isinstance(label_mask, torch.Tensor):
+            # TRL zeroes ignored positions already; masking again costs nothing and does not rely on it.
+            micro.fused = (-(log_probs.detach().float() * label_mask).sum(), label_mask.sum())
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            micro.model_loss = loss.detach().float()
+
+    def observe_cross_entropy(self, input: Any, target: Any, kwargs: dict, result: Any) -> None:
+        """Called by the patched ``F.cross_entropy`` with its arguments and result."""
+        import torch
+
+        if not torch.is_grad_enabled() or not self._micro or not isinstance(result, torch.Tensor):
+            return
+        micro = self._micro[-1]
+        if kwargs.get("weight") is not None:
+            micro.problem = "the cross-entropy has class weights, so its mean is not a per-token loss"
+            return
+        if target.is_floating_point():
+            micro.problem = "the cross-entropy has soft (probability) targets, so it has no token count"
+            return
+        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+        tokens = (target != ignore_index).sum()
+        reduction = kwargs.get("reduction", "mean")
+        value = result.detach().float()
+        if reduction == "mean":
+            # An all-ignored micro-batch has a NaN mean (0/0) and contributes nothing.
+            summed = torch.where(tokens > 0, value * tokens, torch.zeros_like(value))
+        else:
+            summed = value.sum()
+        micro.cross_entropy.append((summed, tokens))
+
+    def record(self, loss: Any, tokens: Any = None) -> None:
+        """An explicit micro-batch loss (``healthcheck.record_loss``); ``tokens`` defaults to 1."""
+        import torch
+
+        value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        count = tokens if tokens is not None else 1
+        entry = (value * count, count)
+        if self._micro:
+            self._micro[-1].explicit.append(entry)
+        else:
+            self._outside.append(entry)
+
+    # ------------------------------------------------------------------ the step
+
+    def take(self) -> StepLoss:
+        """This rank's loss since the last call (one host sync), and reset."""
+        micro, outside = self._micro, self._outside
+        self._micro, self._outside = [], []
+        explicit = outside + [entry for m in micro for entry in m.explicit]
+        if explicit:
+            return _combine(explicit, None)
+        if not micro:
+            return StepLoss(None, None, "no training forward of the model was seen in this step")
+        pieces: list[tuple[Any, Any]] = []
+        for index, m in enumerate(micro):
+            piece, problem = _resolve(m)
+            if problem is not None:
+                return StepLoss(None, _label_tokens_total(micro), f"micro-batch {index}: {problem}")
+            pieces.append(piece)
+        return _combine(pieces, None)
+
+
+def _resolve(micro: _MicroBatch) -> tuple[Any, Optional[str]]:
+    """(summed loss, tokens) of one micro-batch, or the reason it cannot be known."""
+    if micro.problem is not None:
+        return None, micro.problem
+    if micro.fused is not None:
+        return micro.fused, None
+    if micro.cross_entropy:
+        distinct = _distinct(micro.cross_entropy)
+        if len(distinct) > 1:
+            return None, f"{len(distinct)} different cross-entropy losses were computed; which one trains is unknown"
+        return distinct[0], None
+    if micro.model_loss is not None:
+        tokens = _label_tokens(micro.labels)
+        if micro.num_items is not None:
+            return (micro.model_loss * micro.num_items, tokens if tokens is not None else micro.num_items), None
+        if tokens is not None:
+            return (micro.model_loss * tokens, tokens), None
+        return None, "the model returned a loss but no labels to count its tokens"
+    return None, ("no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
+                  "call healthcheck.record_loss(loss, tokens) for a custom loss")
+
+
+def _distinct(entries: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    # The same loss is often computed twice (inside a Hugging Face model given labels, and again by
+    # the script); equal values count once. One host sync per micro-batch with several calls only.
+    out: list[tuple[Any, Any]] = []
+    for summed, tokens in entries:
+        s, n = float(summed), int(tokens)
+        if not any(abs(s - float(o)) <= 1e-6 * max(1.0, abs(s)) and n == int(c) for o, c in out):
+            out.append((summed, tokens))
+    return out
+
+
+def _combine(entries: list[tuple[Any, Any]], reason: Optional[str]) -> StepLoss:
+    import torch
+
+    summed = torch.stack([torch.as_tensor(s, dtype=torch.float64).reshape(()).cpu() for s, _ in entries]).sum()
+    tokens = int(sum(int(t) for _, t in entries))
+    if tokens <= 0:
+        return StepLoss(None, tokens, "the step had no loss-carrying tokens")
+    return StepLoss(float(summed) / tokens, tokens, reason)
+
+
+def _label_tokens(labels: Any) -> Optional[Any]:
+    # A causal LM shifts its labels by one: position 0 is never a target.
+    if labels is None:
+        return None
+    shifted = labels[..., 1:] if labels.dim() >= 2 else labels
+    return (shifted != IGNORE_INDEX).sum()
+
+
+def _label_tokens_total(micro: list[_MicroBatch]) -> Optional[int]:
+    total = 0
+    for m in micro:
+        count = _label_tokens(m.labels)
+        if count is None:
+            return None
+        total += int(count)
+    return total
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+# --------------------------------------------------------------------------- the process-wide hooks
+
+_ACTIVE: list[LossCapture] = []
+_ORIGINAL_CROSS_ENTROPY: Optional[Callable[..., Any]] = None
+
+
+def record_loss(loss: Any, tokens: Any = None) -> None:
+    """Tell healthcheck this rank's loss for the current micro-batch (a custom loss it cannot see).
+
+    ``loss`` is the micro-batch's mean loss (a tensor or float) and ``tokens`` the number of items it
+    averages over (default 1: micro-batches weigh equally). When called in a step, the automatic
+    capture is ignored for that step. Outside a healthcheck probe this does nothing.
+    """
+    for capture in _ACTIVE:
+        capture.record(loss, tokens)
+
+
+def _patch_cross_entropy() -> None:
+    global _ORIGINAL_CROSS_ENTROPY
+    import torch.nn.functional as F
+
+    if _ORIGINAL_CROSS_ENTROPY is not None:
+        return
+    original = F.cross_entropy
+    _ORIGINAL_CROSS_ENTROPY = original
+
+    @functools.wraps(original)
+    def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(input, target, *args, **kwargs)
+        if _ACTIVE:
+            named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"),
+                             args, strict=False))
+            named.update(kwargs)
+            for capture in _ACTIVE:
+                capture.observe_cross_entropy(input, target, named, result)
+        return result
+
+    F.cross_entropy = cross_entropy
+
+
+def _unpatch_cross_entropy() -> None:
+    global _ORIGINAL_CROSS_ENTROPY
+    import torch.nn.functional as F
+
+    if _ORIGINAL_CROSS_ENTROPY is not None:
+        F.cross_entropy = _ORIGINAL_CROSS_ENTROPY
+        _ORIGINAL_CROSS_ENTROPY = None

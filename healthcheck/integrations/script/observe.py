@@ -1,0 +1,138 @@
+"""What a training script reveals about itself while it runs, recorded for the audits.
+
+* :class:`LoaderRecorder`: the sample indices every DataLoader fetched, per epoch (a new iterator is a
+  new epoch), and the DistributedSampler behind them when there is one. Fetches run ahead of the
+  forwards (prefetching, accelerate's look-ahead), so what is recorded is a prefix that covers what was
+  trained on: enough for overlap, order and coverage, which the audits judge on prefixes.
+* :func:`first_forward_facts`: RNG state hashes, the torch seed and the precision at the first training
+  forward, before any randomness of training was drawn.
+* :func:`optimizer_facts` / :func:`ddp_facts`: settings every rank must share, for the environment audit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from healthcheck.artifacts import SamplerPlan
+from healthcheck.measure.evidence import rng_state_hashes
+
+#: Attributes set on the objects themselves: an iterator's epoch, and which loader an index sampler is.
+#: (``id()`` alone is reused once a loader is freed, which would merge two loaders' records.)
+_EPOCH_ATTRIBUTE = "_healthcheck_epoch"
+_LOADER_ATTRIBUTE = "_healthcheck_loader"
+
+
+@dataclasses.dataclass
+class LoaderRecord:
+    """The fetches of one DataLoader (its index sampler lives as long as the loader, and is tagged)."""
+
+    dataset_size: Optional[int]
+    plan: Optional[SamplerPlan]
+    epochs_started: int = 0
+    batches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def samples(self) -> int:
+        return sum(len(ids) for _, ids in self.batches)
+
+
+class LoaderRecorder:
+    """Called with every batch of indices any DataLoader fetches on this rank."""
+
+    def __init__(self) -> None:
+        self.loaders: dict[int, LoaderRecord] = {}
+
+    def on_fetch(self, iterator: Any, indices: Any) -> None:
+        if indices is None:  # an IterableDataset: nothing to index
+            return
+        index_sampler = getattr(iterator, "_index_sampler", None)
+        key = getattr(index_sampler, _LOADER_ATTRIBUTE, None)
+        if key is None:
+            key = len(self.loaders)
+            try:
+                setattr(index_sampler, _LOADER_ATTRIBUTE, key)
+            except (AttributeError, TypeError):  # a sampler that takes no attributes: its id, while it lives
+                key = id(index_sampler)
+        record = self.loaders.get(key)
+        if record is None:
+            dataset = getattr(iterator, "_dataset", None)
+            record = self.loaders[key] = LoaderRecord(dataset_size=_size(dataset), plan=sampler_plan(index_sampler))
+        epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
+        if epoch is None:
+            epoch = record.epochs_started
+            record.epochs_started += 1
+            setattr(iterator, _EPOCH_ATTRIBUTE, epoch)
+        ids = indices.tolist() if hasattr(indices, "tolist") else indices
+        record.batches.append((epoch, [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]))
+
+    def training_loader(self) -> Optional[LoaderRecord]:
+        """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
+        fetch few or none within a probe's steps)."""
+        return max(self.loaders.values(), key=lambda r: r.samples, default=None)
+
+
+def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:
+    """The DistributedSampler behind a DataLoader's index sampler (a BatchSampler, accelerate's
+    BatchSamplerShard, ...), as a plan; None when the data is not sharded by one."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    found, queue, seen = None, [index_sampler], 0
+    while queue and found is None and seen < 8:  # samplers nest a few levels deep at most
+        current = queue.pop(0)
+        seen += 1
+        if isinstance(current, DistributedSampler):
+            found = current
+            break
+        queue += [getattr(current, name) for name in ("sampler", "batch_sampler") if getattr(current, name, None) is not None]
+    if found is None:
+        return None
+    return SamplerPlan(seed=int(found.seed), num_replicas=int(found.num_replicas), rank=int(found.rank),
+                       shuffle=bool(found.shuffle), drop_last=bool(found.drop_last),
+                       dataset_size=_size(found.dataset) or 0)
+
+
+def _size(dataset: Any) -> Optional[int]:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def first_forward_facts(module: Any) -> dict[str, Any]:
+    """The RNG and precision a rank starts training with, read at its first training forward."""
+    import torch
+
+    parameter = next(module.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    device_type = device.type
+    precision = "fp32"
+    if torch.is_autocast_enabled(device_type):
+        precision = f"{str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')} autocast"
+    return {
+        "rng": rng_state_hashes(device),
+        "torch_seed": int(torch.initial_seed()),
+        "precision": precision,
+        "device": str(device),
+        "model_dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else "none",
+    }
+
+
+def optimizer_facts(optimizer: Any) -> dict[str, str]:
+    """The optimizer's class and its first parameter group's hyperparameters (a rank with its own
+    learning rate differs here before its parameters do)."""
+    facts = {"optimizer": type(optimizer).__name__, "optimizer.param_groups": str(len(optimizer.param_groups))}
+    for key, value in sorted(optimizer.param_groups[0].items()) if optimizer.param_groups else ():
+        if key != "params" and isinstance(value, (int, float, str, bool, tuple, type(None))):
+            facts[f"optimizer.{key}"] = repr(value)
+    return facts
+
+
+def ddp_facts(ddp: Any) -> dict[str, str]:
+    """DDP settings that change how gradients are reduced."""
+    return {
+        "ddp.bucket_bytes_cap": str(getattr(ddp, "bucket_bytes_cap", "?")),
+        "ddp.find_unused_parameters": str(getattr(ddp, "find_unused_parameters", "?")),
+        "ddp.gradient_as_bucket_view": str(getattr(ddp, "gradient_as_bucket_view", "?")),
+        "ddp.static_graph": str(getattr(ddp, "static_graph", "?")),
+    }

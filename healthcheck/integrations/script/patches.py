@@ -1,0 +1,106 @@
+"""The class-level patches that let healthcheck see an unmodified script, installed and removed as one.
+
+Each patch wraps the original and calls back into the session; :class:`Patches` restores every
+original on exit, in reverse order, whatever happened in between.
+
+* ``DistributedDataParallel.__init__``: every DDP the script builds (directly, or through
+  ``accelerate`` and ``transformers.Trainer``) is handed to the session right after it is built.
+* ``DistributedDataParallel.register_comm_hook`` / ``_register_builtin_comm_hook``: the monitor needs
+  the one comm-hook slot DDP has, so a script that takes it gets a clear error, not DDP's RuntimeError.
+* ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
+* ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
+  probed (healthcheck already is the launcher), so it gets a clear error.
+* ``_BaseDataLoaderIter._next_index``: the indices of every batch any DataLoader fetches. It is
+  private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
+  through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from healthcheck.errors import InvalidInput
+
+
+class Patches:
+    """A stack of (owner, attribute, original) that is put back on :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """Replace ``owner.name`` by ``make(original)``; a missing attribute is left alone."""
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        self._saved.append((owner, name, original))
+        setattr(owner, name, functools.wraps(original)(make(original)))
+
+    def restore(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+
+
+def install(session: Any) -> Patches:
+    """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_process_group()``,
+    ``session.on_fetch(iterator, indices)`` and ``session.owns_comm_hook(ddp)``."""
+    import torch.distributed as dist
+    import torch.multiprocessing as torch_mp
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import dataloader
+
+    patches = Patches()
+
+    def ddp_init(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            session.on_ddp(self)
+
+        return __init__
+
+    def comm_hook(original: Any) -> Any:
+        def register(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if session.owns_comm_hook(self):
+                raise InvalidInput(
+                    "the script registers its own DDP communication hook (DistributedDataParallel allows one), and "
+                    "healthcheck's monitor holds it; probe the script with its default all-reduce (no comm hook)"
+                )
+            return original(self, *args, **kwargs)
+
+        return register
+
+    def init_process_group(original: Any) -> Any:
+        def init(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            session.on_process_group()
+            return out
+
+        return init
+
+    def no_spawn(original: Any) -> Any:
+        def spawn(*args: Any, **kwargs: Any) -> Any:
+            raise InvalidInput(
+                "the script starts its own worker processes (torch.multiprocessing.spawn); healthcheck is the "
+                "launcher: write the script the torchrun way (read RANK/WORLD_SIZE from the environment)"
+            )
+
+        return spawn
+
+    def next_index(original: Any) -> Any:
+        def _next_index(self: Any) -> Any:
+            indices = original(self)
+            session.on_fetch(self, indices)
+            return indices
+
+        return _next_index
+
+    patches.wrap(DistributedDataParallel, "__init__", ddp_init)
+    patches.wrap(DistributedDataParallel, "register_comm_hook", comm_hook)
+    patches.wrap(DistributedDataParallel, "_register_builtin_comm_hook", comm_hook)
+    patches.wrap(dist, "init_process_group", init_process_group)
+    patches.wrap(torch_mp, "spawn", no_spawn)
+    patches.wrap(torch_mp, "start_processes", no_spawn)
+    patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
+    return patches

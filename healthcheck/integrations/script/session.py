@@ -1,0 +1,244 @@
+"""A probe of an unmodified training script: its optimizer steps become the probe's steps.
+
+On every worker, before the script runs, :class:`ScriptSession` installs its patches
+(:mod:`.patches`) and two global optimizer hooks. Then, with nothing imported from healthcheck:
+
+* every ``DistributedDataParallel`` the script builds gets the :class:`WorkerConsistencyMonitor`, the
+  loss capture (:mod:`healthcheck.integrations.loss_capture`) and the audits' recorder;
+* an optimizer step that updates the monitored model's parameters is a probe step. Before it runs
+  (after the synchronising backward) the monitor gathers the step's metrics; after it, parameter
+  hashes are compared on check steps;
+* after ``train.steps`` steps (or a non-finite step) every rank gathers its evidence, then
+  :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same step on every
+  rank, before any saving or evaluation that follows the loop.
+
+The run layer supplies heartbeats, faults and row writing through :class:`SessionHooks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+from healthcheck.artifacts import RankInfo, WorkerReport
+from healthcheck.config import ProbeConfig
+from healthcheck.errors import InvalidInput
+from healthcheck.integrations.loss_capture import LossCapture
+from healthcheck.integrations.script import observe
+from healthcheck.integrations.script.patches import install
+from healthcheck.measure import distributed as hdist
+from healthcheck.measure.environment import device_name, rank_environment, versions
+from healthcheck.measure.evidence import AuditRecorder
+
+
+class ProbeComplete(BaseException):
+    """Unwinds the script once the probe has its steps (a BaseException: ``except Exception`` lets it by)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SessionHooks:
+    """What the run layer does at the session's moments (every callable runs on every rank)."""
+
+    beat: Callable[[int, str], None]  #: heartbeat: (step, phase)
+    at_step_start: Callable[[int], None]  #: injected faults of the step
+    on_metrics: Callable[[int, Any, Optional[float]], None]  #: (step, StepMetrics, lr): rows and progress
+    on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
+    install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
+
+
+class ScriptSession:
+    """Measures one script run on this rank; see the module docstring. Use as a context manager."""
+
+    def __init__(self, config: ProbeConfig, hooks: SessionHooks, started_at: float):
+        self.config, self.hooks, self.started_at = config, hooks, started_at
+        self.capture = LossCapture()
+        self.loaders = observe.LoaderRecorder()
+        self.ddp: Any = None
+        self.monitor: Any = None
+        self.audit: Optional[AuditRecorder] = None
+        self.steps_done = 0
+        self.complete = False
+        self.stopped_early: Optional[str] = None
+        self.report: Optional[WorkerReport] = None
+        self.first_forward: Optional[dict[str, Any]] = None
+        self._param_ids: set[int] = set()
+        self._registering = False
+        self._depth = 0
+        self._loss_problem: Optional[str] = None
+        self._all_ranks: list[RankInfo] = []
+        self._first_step_at = 0.0
+        self._train_started = 0.0
+        self._last_post = time.perf_counter()
+        self._last_gather: Optional[float] = None
+        self._handles: list[Any] = []
+        self._patches: Any = None
+
+    # ------------------------------------------------------------------ install / remove
+
+    def __enter__(self) -> ScriptSession:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._patches = install(self)
+        self.capture.__enter__()
+        self._handles = [register_optimizer_step_pre_hook(self._pre_step),
+                         register_optimizer_step_post_hook(self._post_step)]
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.capture.close()
+        if self._patches is not None:
+            self._patches.restore()
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ------------------------------------------------------------------ callbacks from the patches
+
+    def on_ddp(self, ddp: Any) -> None:
+        if self.ddp is not None:
+            raise InvalidInput("the script builds a second DistributedDataParallel model; a probe measures one "
+                               "trained model")
+        from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+        metrics = self.config.metrics
+        self._registering = True
+        try:
+            # The sketch map must be identical on every rank: it is seeded from the probe's config.
+            self.monitor = WorkerConsistencyMonitor(
+                ddp, direction=metrics.direction, sketch_dim=metrics.sketch_dim, every=metrics.every,
+                seed=self.config.train.seed, reduction_every=metrics.reduction_check_every,
+            )
+        finally:
+            self._registering = False
+        self.ddp = ddp
+        self._param_ids = {id(p) for p in ddp.parameters()}
+        self.capture.watch(ddp.module)
+        self._handles.append(ddp.module.register_forward_pre_hook(self._first_training_forward))
+        self.audit = AuditRecorder(ddp.module, param_check_every=metrics.param_check_every)
+        self.hooks.install_faults(ddp.module)
+
+    def owns_comm_hook(self, ddp: Any) -> bool:
+        """True when a comm hook registration on ``ddp`` would take the monitor's slot."""
+        return ddp is self.ddp and not self._registering
+
+    def on_process_group(self) -> None:
+        self.hooks.on_process_group()
+
+    def on_fetch(self, iterator: Any, indices: Any) -> None:
+        self.loaders.on_fetch(iterator, indices)
+
+    def _first_training_forward(self, module: Any, args: Any) -> None:
+        import torch
+
+        if self.first_forward is None and torch.is_grad_enabled():
+            self.first_forward = observe.first_forward_facts(module)
+
+    # ------------------------------------------------------------------ the step boundary
+
+    def _owns(self, optimizer: Any) -> bool:
+        return any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"])
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.complete:
+            raise ProbeComplete()
+        if self.ddp is None:
+            raise InvalidInput(
+                "the script stepped an optimizer before building a DistributedDataParallel model; healthcheck "
+                "attaches to DDP (and FSDP2) models, and a single-process script has no workers to compare"
+            )
+        if not self._owns(optimizer):
+            return
+        self._depth += 1
+        if self._depth > 1:  # an optimizer whose step() calls its base class's: one step, not two
+            return
+        step = self.steps_done
+        self.hooks.beat(step, "sync")
+        if step == 0:
+            self._start(optimizer)
+        self.hooks.at_step_start(step)
+        now = time.perf_counter()
+        extras = {"compute_ms": (now - self._last_post) * 1000}
+        if self._last_gather is not None:
+            # From the previous gather, a moment every rank shares: ranks differ only by their own work.
+            extras["cycle_ms"] = (now - self._last_gather) * 1000
+        step_loss = self.capture.take()
+        if step_loss.loss is None and self._loss_problem is None:
+            self._loss_problem = f"step {step}: {step_loss.reason}"
+        metrics = self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras)
+        self._last_gather = time.perf_counter() if metrics is not None else None
+        if metrics is not None:
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            self.hooks.on_metrics(step, metrics, float(lr) if isinstance(lr, (int, float)) else None)
+            if metrics.nonfinite_ranks:
+                # Every rank sees the same gathered metrics, so all stop after the same step.
+                self.stopped_early = f"non-finite loss or gradient on rank(s) {metrics.nonfinite_ranks} at step {step}"
+        self.hooks.beat(step, "optimizer")
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.ddp is None or not self._owns(optimizer):
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        assert self.audit is not None
+        step = self.steps_done
+        self.audit.after_optimizer_step(step)  # collective on parameter-check steps
+        self.steps_done += 1
+        self._last_post = time.perf_counter()
+        if self.steps_done >= self.config.train.steps or self.stopped_early:
+            self._finish()
+            raise ProbeComplete()
+        self.hooks.beat(self.steps_done, "compute")
+
+    # ------------------------------------------------------------------ start and finish
+
+    def _start(self, optimizer: Any) -> None:
+        """At the first step: what every rank trains with, gathered once (a collective)."""
+        assert self.audit is not None
+        facts = self.first_forward or {}
+        self.audit.extra.update({"model_dtype": facts.get("model_dtype", "unknown"),
+                                 **observe.optimizer_facts(optimizer), **observe.ddp_facts(self.ddp)})
+        if "rng" in facts:
+            self.audit.rng["rng_start"] = facts["rng"]
+        loader = self.loaders.training_loader()
+        plan = loader.plan if loader else None
+        info = hdist.get_dist_info()
+        import torch
+
+        device = torch.device(facts.get("device", "cpu"))
+        rank_info = RankInfo(
+            rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
+            device_name=device_name(device), torch_seed=facts.get("torch_seed"),
+            sampler_seed=plan.seed if plan else None, sampler_rank=plan.rank if plan else None,
+            sampler_replicas=plan.num_replicas if plan else None, precision=facts.get("precision", "unknown"),
+            versions=versions(), env=rank_environment(),
+        )
+        self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]
+        self._first_step_at = time.time()
+        self._train_started = time.perf_counter()
+
+    def _finish(self) -> None:
+        """Every rank, at the same step: close the monitor, gather the evidence; rank 0 keeps the report."""
+        import torch.distributed as dist
+
+        assert self.audit is not None
+        self.monitor.close()
+        loader = self.loaders.training_loader()
+        self.audit.consumed = list(loader.batches) if loader else []
+        self.audit.sampler = loader.plan if loader else None
+        self.audit.shard_source = "none" if loader is None else ("sampler" if loader.plan else "loader")
+        self.audit.loss_problem = self._loss_problem
+        evidence = self.audit.finish(plan_samples=(loader.dataset_size or 0) if loader else 0)
+        self.complete = True
+        if evidence is None:
+            return
+        device_type = self._all_ranks[0].device.split(":")[0] if self._all_ranks else "cpu"
+        self.report = WorkerReport(
+            evidence=evidence, ranks=self._all_ranks, device_type=device_type,
+            device_reason=f"the script placed its model on {device_type}", backend=str(dist.get_backend()),
+            world_size=dist.get_world_size(), startup_s=self._first_step_at - self.started_at,
+            train_s=time.perf_counter() - self._train_started, steps_completed=self.steps_done,
+            stopped_early=self.stopped_early,
+        )

@@ -1,0 +1,41 @@
+"""What a rank runs on and with, for the environment audit: software versions, determinism settings,
+communication variables and the device's name."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+
+def versions() -> dict[str, str]:
+    """The software and determinism settings a rank runs with (compared by the environment audit)."""
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.version.cuda:
+        out["cuda"] = str(torch.version.cuda)
+    out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
+    out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
+    out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
+    return out
+
+
+ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_")
+
+
+def rank_environment() -> dict[str, str]:
+    """The communication/runtime variables that must agree across ranks (for the environment audit)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def device_name(device: Any) -> str:
+    """Human name of a device: the GPU model, or the CPU's."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
+    return platform.processor() or platform.machine() or "cpu"

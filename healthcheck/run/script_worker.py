@@ -1,0 +1,171 @@
+"""One worker of a ``--script`` probe: the user's training script, run unmodified under a ScriptSession.
+
+The script runs as ``__main__`` with ``sys.argv = [path, *args]`` (``{seed}`` filled in), in the
+user's working directory and environment, with the script's folder first on ``sys.path`` as
+``python train.py`` would have it. :mod:`healthcheck.integrations.script.session` measures it; this
+module supplies what the run layer owns: heartbeats, injected faults, the rows rank 0 writes, and
+the one-line failure a rank leaves when the script raises or ends too soon.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, WorkerReport
+from healthcheck.config import ProbeConfig, resolve_for_rank
+from healthcheck.files import JsonlWriter
+from healthcheck.integrations.script.session import ProbeComplete, ScriptSession, SessionHooks
+from healthcheck.measure import distributed as hdist
+from healthcheck.run.console import redirect_worker_output
+from healthcheck.run.failures import record_worker_failure
+from healthcheck.run.faults import at_step_start, before_process_group, install_faults
+from healthcheck.run.progress import StepProgress
+from healthcheck.run.trainer import write_rows
+from healthcheck.run.watchdog import Heartbeat
+
+
+class ScriptEnded(RuntimeError):
+    """The script returned or exited before the probe had its ``train.steps`` optimizer steps."""
+
+
+def script_worker(config_json: str, run_dir: Optional[str], started_at: float, pg_timeout_s: Optional[float] = None,
+                  launch_attempt: int = 1, quiet_console: bool = False,
+                  choose_run_dir: Optional[Callable[[], str]] = None) -> Optional[WorkerReport]:
+    """Run the config's script on this rank; rank 0 returns the run's report.
+
+    ``run_dir`` is known up front under healthcheck's own launcher; under torchrun it is None and
+    ``choose_run_dir`` agrees on one (a collective) once the script has created its process group.
+    ``quiet_console`` sends the script's output to its log in the run directory.
+    """
+    config = ProbeConfig.model_validate_json(config_json)
+    if quiet_console and run_dir:
+        redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
+    worker = _ScriptRun(config, Path(run_dir) if run_dir else None, started_at, choose_run_dir,
+                        show_progress=not quiet_console)
+    try:
+        return worker.run(launch_attempt)
+    except BaseException as exc:
+        if worker.run_dir is not None:
+            record_worker_failure(worker.run_dir, hdist.get_dist_info().rank, worker.step, exc)
+        raise
+
+
+class _ScriptRun:
+    def __init__(self, config: ProbeConfig, run_dir: Optional[Path], started_at: float,
+                 choose_run_dir: Optional[Callable[[], str]], show_progress: bool):
+        self.config, self.run_dir, self.started_at = config, run_dir, started_at
+        self.show_progress = show_progress
+        self.choose_run_dir = choose_run_dir
+        self.rank = hdist.get_dist_info().rank
+        self.rank_config = resolve_for_rank(config, self.rank)
+        self.step: Optional[int] = None
+        self.heartbeat: Optional[Heartbeat] = None
+        self.writers: Optional[tuple[JsonlWriter, JsonlWriter]] = None
+        self.progress: Optional[StepProgress] = None
+
+    def run(self, launch_attempt: int) -> Optional[WorkerReport]:
+        assert self.config.script is not None
+        before_process_group(self.rank_config.faults, launch_attempt)
+        if self.run_dir is not None:
+            self.heartbeat = Heartbeat(self.run_dir, self.rank)
+            self.heartbeat.beat(-1, "script")
+        hdist.set_worker_threads(hdist.get_dist_info().local_world_size)
+        hooks = SessionHooks(beat=self._beat, at_step_start=self._at_step_start, on_metrics=self._on_metrics,
+                             on_process_group=self._on_process_group,
+                             install_faults=lambda module: install_faults(module, self.rank_config.faults))
+        session = ScriptSession(self.config, hooks, self.started_at)
+        path = Path(self.config.script.path)
+        argv = self.config.script.argv(self.config.train.seed)
+        saved_argv, saved_path = list(sys.argv), list(sys.path)
+        sys.argv = argv
+        sys.path.insert(0, str(path.resolve().parent))
+        ended = "returned"
+        try:
+            with session:
+                try:
+                    runpy.run_path(str(path), run_name="__main__")
+                except ProbeComplete:
+                    pass
+                except SystemExit as exc:
+                    if session.complete:
+                        pass
+                    elif exc.code not in (None, 0):
+                        raise ScriptEnded(f"the script exited with status {exc.code} after {session.steps_done} "
+                                          f"of {self.config.train.steps} optimizer steps") from None
+                    else:
+                        ended = "exited with status 0"
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            self._close()
+            hdist.destroy_distributed()
+        if not session.complete:
+            raise ScriptEnded(_ended_early(session.steps_done, self.config.train.steps, ended, session.ddp is not None))
+        return session.report
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_process_group(self) -> None:
+        if self.run_dir is None and self.choose_run_dir is not None:
+            self.run_dir = Path(self.choose_run_dir())
+
+    def _beat(self, step: int, phase: str) -> None:
+        self.step = step
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, phase)
+
+    def _at_step_start(self, step: int) -> None:
+        at_step_start(self.rank_config.faults, step)
+        if self.rank_config.faults.step_sleep_ms:
+            time.sleep(self.rank_config.faults.step_sleep_ms / 1000)
+
+    def _on_metrics(self, step: int, metrics: Any, lr: Optional[float]) -> None:
+        if self.rank != 0 or self.run_dir is None:
+            return
+        if self.writers is None:
+            self.writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
+            self.progress = StepProgress(self.config.name, self.config.train.steps) if self.show_progress else None
+        write_rows(self.writers, step, metrics, lr)
+        if self.progress is not None:
+            self.progress.advance(step + 1)
+
+    def _close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.writers is not None:
+            for writer in self.writers:
+                writer.close()
+
+
+def _ended_early(done: int, planned: int, how: str, built_ddp: bool) -> str:
+    """Why a script that stopped on its own is a probe that could not finish.
+
+    >>> _ended_early(0, 60, "returned", built_ddp=False)
+    'the script returned without stepping an optimizer on a DistributedDataParallel model (the probe needs 60 steps)'
+    >>> _ended_early(12, 60, "returned", built_ddp=True)
+    "the script returned after 12 of the probe's 60 optimizer steps; give it more data or steps (or lower train.steps)"
+    """
+    if done == 0:
+        what = "" if built_ddp else " on a DistributedDataParallel model"
+        return f"the script {how} without stepping an optimizer{what} (the probe needs {planned} steps)"
+    return (f"the script {how} after {done} of the probe's {planned} optimizer steps; give it more data or steps "
+            f"(or lower train.steps)")
+
+
+def script_exists_error(path: str) -> Optional[str]:
+    """The one-line problem with ``script.path`` before anything starts, or None.
+
+    >>> script_exists_error("/no/such/train.py")
+    'script.path: /no/such/train.py: no such file'
+    """
+    if not os.path.exists(path):
+        return f"script.path: {path}: no such file"
+    if os.path.isdir(path):
+        return f"script.path: {path} is a directory; give the training script's .py file"
+    if not os.access(path, os.R_OK):
+        return f"script.path: {path}: not readable"
+    return None

@@ -1,0 +1,94 @@
+"""Causal-LM fine-tuning with a plain accelerate loop, gradient accumulation via accelerator.accumulate (CPU, gloo).
+
+torchrun --nproc_per_node 4 -- accelerate_loop.py --model DIR --data JSON --steps 6 --log loss.jsonl
+
+Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
+rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
+definition:  loss = mean over the step's micro-batches of accelerator.gather(loss).mean(),
+i.e. the plain mean of the (rank, micro-batch) token means -- NOT token-weighted.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def alpaca_prompt(row):
+    if row.get("input"):
+        return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256)
+    args = ap.parse_args()
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    set_seed(1234)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    with open(args.data) as f:
+        rows = json.load(f)[: args.rows]
+    examples = []
+    for r in rows:
+        p = tok(alpaca_prompt(r), add_special_tokens=False)["input_ids"]
+        c = tok(r["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        examples.append(((p + c)[: args.max_len], ([-100] * len(p) + c)[: args.max_len]))
+
+    def collate(batch):
+        n = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), n), tok.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), n), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), n), dtype=torch.long)
+        for i, (ids, lab) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
+            attn[i, : len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": attn, "labels": labels}
+
+    loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    if accelerator.is_main_process and os.path.exists(args.log):
+        os.remove(args.log)
+    step, micro_losses = 0, []
+    model.train()
+    while step < args.steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                loss = outputs.loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            micro_losses.append(accelerator.gather(loss.detach()).mean().item())
+            if accelerator.sync_gradients:
+                step += 1
+                logged = sum(micro_losses) / len(micro_losses)
+                micro_losses = []
+                if accelerator.is_main_process:
+                    with open(args.log, "a") as f:
+                        f.write(json.dumps({"step": step, "loss": logged}) + "\n")
+                    accelerator.print(f"step {step} loss {logged:.5f}")
+                if step >= args.steps:
+                    break
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Causal-LM fine-tuning in the style of PyTorch's torchrun DDP tutorial (multigpu_torchrun.py), on CPU/gloo.
+
+torchrun --nproc_per_node 4 ddp_tutorial.py --model DIR --data JSON --steps 6 --log loss.jsonl
+
+Knows nothing about healthcheck. Loss: token-level cross entropy on response tokens only (prompt tokens -> -100).
+Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum of token losses) / all_reduce(tokens).
+
+``--bug`` reproduces mistakes real scripts make, for healthcheck's detection tests:
+``sampler-seed-per-rank`` (DistributedSampler(seed=rank)), ``reseed-rank=R`` (rank R calls manual_seed again
+after init_process_group) and ``loss-x2-rank=R`` (rank R multiplies its loss by 2).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def ddp_setup():
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    init_process_group(backend="gloo")
+
+
+def alpaca_prompt(row):
+    if row.get("input"):
+        return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
+
+
+class AlpacaDataset(Dataset):
+    def __init__(self, path, tokenizer, max_len, rows):
+        with open(path) as f:
+            data = json.load(f)[:rows]
+        self.items = []
+        for row in data:
+            p = tokenizer(alpaca_prompt(row), add_special_tokens=False)["input_ids"]
+            c = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = (p + c)[:max_len]
+            labels = ([-100] * len(p) + c)[:max_len]
+            self.items.append((ids, labels))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def make_collate(pad_id):
+    def collate(batch):
+        n = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), n), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), n), dtype=torch.long)
+        for i, (ids, lab) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
+            attn[i, : len(ids)] = 1
+        return input_ids, attn, labels
+
+    return collate
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0):
+        self.rank = int(os.environ["RANK"])
+        self.loss_scale = loss_scale
+        self.model = DDP(model)  # CPU: no device_ids
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.max_steps = max_steps
+        self.log_path = log_path
+        self.step = 0
+
+    def _run_batch(self, input_ids, attn, labels):
+        self.optimizer.zero_grad()
+        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
+        shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
+        shift_labels = labels[:, 1:].reshape(-1)
+        loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+        ntok = (shift_labels != -100).sum()
+        loss = self.loss_scale * loss_sum / ntok.clamp(min=1)  # local token mean; DDP averages gradients over ranks
+        loss.backward()
+        self.optimizer.step()
+        # global token-weighted mean for logging
+        stats = torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
+        dist.all_reduce(stats)
+        return (stats[0] / stats[1]).item()
+
+    def train(self):
+        epoch = 0
+        while self.step < self.max_steps:
+            self.train_data.sampler.set_epoch(epoch)
+            for input_ids, attn, labels in self.train_data:
+                gloss = self._run_batch(input_ids, attn, labels)
+                self.step += 1
+                if self.rank == 0:
+                    with open(self.log_path, "a") as f:
+                        f.write(json.dumps({"step": self.step, "loss": gloss}) + "\n")
+                    print(f"[GPU{self.rank}] Epoch {epoch} | Step {self.step} | loss {gloss:.5f}", flush=True)
+                if self.step >= self.max_steps:
+                    break
+            epoch += 1
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--bug", default="none", help="none, sampler-seed-per-rank, reseed-rank=R or loss-x2-rank=R")
+    args = ap.parse_args()
+
+    ddp_setup()
+    torch.manual_seed(args.seed)
+    rank = int(os.environ["RANK"])
+    bug, _, bug_rank = args.bug.partition("=")
+    if bug == "reseed-rank" and rank == int(bug_rank):
+        torch.manual_seed(args.seed + rank)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
+    sampler = DistributedSampler(ds, seed=rank) if bug == "sampler-seed-per-rank" else DistributedSampler(ds, seed=args.seed)
+    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
+                        collate_fn=make_collate(tok.pad_token_id))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
+        os.remove(args.log)
+    loss_scale = 2.0 if bug == "loss-x2-rank" and rank == int(bug_rank) else 1.0
+    Trainer(model, loader, opt, args.steps, args.log, loss_scale).train()
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Causal-LM fine-tuning with transformers.Trainer (CPU, gloo), response-only labels.
+
+torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 --log loss.jsonl
+
+(`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
+its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
+(logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+
+def alpaca_prompt(row):
+    if row.get("input"):
+        return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
+
+
+class LossFile(TrainerCallback):
+    """Append each logged training loss to a JSON-lines file as it is logged (rank 0)."""
+
+    def __init__(self, path):
+        self.path = path
+        if os.path.exists(path):
+            os.remove(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256)
+    # variants used to verify the other loss-logging regimes (defaults = stock Trainer behaviour)
+    ap.add_argument("--average-tokens-across-devices", choices=["true", "false"], default="true")
+    ap.add_argument("--no-loss-kwargs", action="store_true",
+                    help="set model.accepts_loss_kwargs=False: Trainer then passes no num_items_in_batch")
+    args = ap.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    if args.no_loss_kwargs:
+        model.accepts_loss_kwargs = False
+    with open(args.data) as f:
+        rows = json.load(f)[: args.rows]
+
+    def encode(row):
+        p = tok(alpaca_prompt(row), add_special_tokens=False)["input_ids"]
+        c = tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = (p + c)[: args.max_len]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ([-100] * len(p) + c)[: args.max_len]}
+
+    ds = Dataset.from_list([encode(r) for r in rows])
+
+    def collate(features):
+        n = max(len(x["input_ids"]) for x in features)
+        out = {k: torch.full((len(features), n), v, dtype=torch.long)
+               for k, v in (("input_ids", tok.pad_token_id), ("attention_mask", 0), ("labels", -100))}
+        for i, x in enumerate(features):
+            for k in out:
+                out[k][i, : len(x[k])] = torch.tensor(x[k])
+        return out
+
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hf_trainer_"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=2,
+        max_steps=args.steps,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=1234,
+        dataloader_num_workers=0,
+        average_tokens_across_devices=args.average_tokens_across_devices == "true",
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)
+    trainer.add_callback(LossFile(args.log))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""A minimal torchrun-style DDP loop (a linear model on random data) that can misbehave on purpose.
+
+    torchrun --nproc_per_node 2 tiny_ddp.py --mode ok --steps 10
+
+--mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
+steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
+comm-hook (registers its own DDP communication hook); spawn (starts its own workers with
+torch.multiprocessing.spawn). Knows nothing about healthcheck.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def worker(index):  # for --mode spawn
+    pass
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="ok")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    mode, _, value = args.mode.partition("=")
+    if mode == "spawn":
+        torch.multiprocessing.spawn(worker, nprocs=2)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    if mode != "no-ddp":
+        model = DDP(model)
+    if mode == "comm-hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        if mode == "return-after" and step == int(value):
+            return
+        if mode == "raise-at" and step == int(value) and rank == 1:
+            raise ValueError(f"bad batch at step {step}")
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if mode != "never-step":
+            optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

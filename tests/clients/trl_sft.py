@@ -1,0 +1,79 @@
+"""Supervised fine-tuning with TRL's SFTTrainer on a prompt/completion dataset (CPU, gloo).
+
+torchrun --nproc_per_node 4 -- trl_sft.py --model DIR --data JSON --steps 6 --log loss.jsonl
+
+completion_only_loss=True: only completion tokens carry loss. Knows nothing about healthcheck. Appends each logged
+per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+
+def alpaca_prompt(row):
+    if row.get("input"):
+        return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
+
+
+class LossFile(TrainerCallback):
+    """Append each logged training loss to a JSON-lines file as it is logged (rank 0)."""
+
+    def __init__(self, path):
+        self.path = path
+        if os.path.exists(path):
+            os.remove(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256)
+    args = ap.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    with open(args.data) as f:
+        rows = json.load(f)[: args.rows]
+    ds = Dataset.from_list([{"prompt": alpaca_prompt(r), "completion": r["output"]} for r in rows])
+
+    cfg = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_sft_"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=2,
+        max_steps=args.steps,
+        logging_steps=1,
+        learning_rate=1e-3,
+        max_length=args.max_len,
+        completion_only_loss=True,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=1234,
+        dataloader_num_workers=0,
+    )
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    trainer.add_callback(LossFile(args.log))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""A --script probe whose script fails, or cannot be probed: one line, the right exit code, no worker left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.e2e.conftest import REPO, run_cli
+
+TINY = REPO / "tests" / "clients" / "tiny_ddp.py"
+
+
+def probe(tmp_path, mode: str, *extra: str):
+    out = tmp_path / "run"
+    done = run_cli("probe", "--script", str(TINY), "--out", str(out), "--audits-only", "--set", "distributed.nproc=2",
+                   "--set", "train.steps=5", "--set", "metrics.warmup_steps=1", *extra, "--", "--mode", mode)
+    return done, out
+
+
+def no_workers_left() -> bool:
+    return subprocess.run(["pgrep", "-f", str(TINY)], capture_output=True).returncode != 0
+
+
+def error_line(done) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.startswith("healthcheck: error:")]
+    assert len(lines) == 1, done.stderr[-2000:]
+    return lines[0]
+
+
+def test_a_script_with_a_custom_loss_passes_with_the_loss_not_measured(tmp_path):
+    done, out = probe(tmp_path, "ok")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert "no loss was observed" in result["loss_note"] and "record_loss" in result["loss_note"]
+    assert result["summary"]["loss_std"]["n"] == 0 and result["summary"]["grad_norm_cv"]["n"] > 0
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert all(r["loss"] is None and r["grad_norm"] > 0 for r in rows)
+    assert result["audits"]["nonfinite"]["passed"]  # an unmeasured loss is not a NaN loss
+    shards = result["audits"]["data_shards"]
+    assert shards["measured"] is False and shards["message"].startswith("not measured")
+    assert "n/a" in done.stdout and "loss not measured" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("raise-at=3", "rank 1 failed at step 3: ValueError: bad batch at step 3"),
+        ("return-after=2", "the script returned after 2 of the probe's 5 optimizer steps"),
+        ("never-step", "the script returned without stepping an optimizer"),
+    ],
+)
+def test_a_script_that_fails_or_stops_early_is_exit_3_naming_it(tmp_path, mode, expected):
+    done, out = probe(tmp_path, mode)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert expected in error_line(done)
+    assert json.loads((out / "result.json").read_text())["status"] == "incomplete"
+    assert no_workers_left()
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("no-ddp", "before building a DistributedDataParallel model"),
+        ("comm-hook", "registers its own DDP communication hook"),
+        ("spawn", "starts its own worker processes (torch.multiprocessing.spawn)"),
+    ],
+)
+def test_a_script_that_cannot_be_probed_is_exit_2_on_one_line(tmp_path, mode, expected):
+    done, _ = probe(tmp_path, mode)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert expected in error_line(done)
+    assert no_workers_left()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--script", "/no/such/train.py"], "script.path: /no/such/train.py: no such file"),
+        (["--script", "tests"], "script.path: tests is a directory"),
+        (["--script", str(TINY), "--set", "train.lr=0.1", "--set", "data.max_length=64"],
+         "script: data.max_length, train.lr configure the built-in probe"),
+        (["--set", "train.steps=3", "--", "--mode", "ok"], "script.path: Field required"),
+    ],
+)
+def test_bad_script_input_is_exit_2_before_any_worker_starts(tmp_path, args, expected):
+    done = run_cli("probe", "--out", str(tmp_path / "run"), *args)
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert expected in done.stderr
+    assert not (tmp_path / "run" / "steps.jsonl").exists()
+
+
+def test_script_arguments_go_only_to_commands_that_run_a_script(tmp_path):
+    done = run_cli("report", str(tmp_path), "--", "--mode", "ok")
+    assert done.returncode == 2 and "arguments after -- are a script's; report takes none" in done.stderr

@@ -1,0 +1,176 @@
+"""The loss capture, in one process: every source of a micro-batch's loss, and every case it refuses."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from healthcheck import record_loss
+from healthcheck.integrations.loss_capture import LossCapture
+
+
+class Tiny(torch.nn.Module):
+    """Returns logits, or a dict shaped like a Hugging Face or TRL output when asked."""
+
+    def __init__(self, output: str = "logits"):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 5)
+        self.output = output
+
+    def forward(self, x, labels=None, num_items_in_batch=None):
+        logits = self.linear(x)
+        if self.output == "hf" and labels is not None:
+            summed = F.cross_entropy(logits[:, :-1].reshape(-1, 5), labels[:, 1:].reshape(-1), reduction="sum")
+            divisor = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+            return {"loss": summed / divisor, "logits": logits}
+        if self.output == "fused":
+            log_probs = torch.log_softmax(logits, -1)[..., 0]
+            return types.SimpleNamespace(loss=None, log_probs=log_probs[:, 1:], label_mask=labels[:, 1:] != -100)
+        return logits
+
+
+def batch(seed: int = 0, masked: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 6, 4, generator=generator)
+    labels = torch.randint(0, 5, (2, 6), generator=generator)
+    labels[:, :masked] = -100
+    return x, labels
+
+
+def step(capture: LossCapture, model: Tiny, losses: list, **forward) -> None:
+    for x, labels in losses:
+        out = model(x, labels=labels, **forward)
+        if model.output == "logits":
+            F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1))
+
+
+def expected(model: Tiny, batches) -> tuple[float, int]:
+    summed, tokens = 0.0, 0
+    with torch.no_grad():
+        for x, labels in batches:
+            logits = model.linear(x)
+            summed += float(F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1), reduction="sum"))
+            tokens += int((labels != -100).sum())
+    return summed / tokens, tokens
+
+
+@pytest.mark.parametrize("masked", [0, 3])
+def test_a_script_side_mean_cross_entropy_gives_the_token_weighted_step_loss(masked):
+    model = Tiny()
+    batches = [batch(0, masked), batch(1, masked)]
+    with LossCapture() as capture:
+        capture.watch(model)
+        step(capture, model, batches)
+        got = capture.take()
+    want, tokens = expected(model, batches)
+    assert got.tokens == tokens and got.loss == pytest.approx(want, rel=1e-6) and got.reason is None
+
+
+def test_sum_and_none_reductions_and_an_all_ignored_micro_batch():
+    model = Tiny()
+    x, labels = batch(2)
+    empty = torch.full_like(labels, -100)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels)
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1), reduction="none")
+        out = model(x, labels=empty)
+        F.cross_entropy(out.reshape(-1, 5), empty.reshape(-1))  # mean over no token: NaN, counts as 0
+        got = capture.take()
+    want, tokens = expected(model, [(x, labels)])
+    assert got.tokens == tokens and got.loss == pytest.approx(want, rel=1e-6)
+
+
+def test_a_hugging_face_model_given_num_items_in_batch_is_unscaled_exactly():
+    model = Tiny("hf")
+    batches = [batch(3, 2), batch(4, 1)]
+    with LossCapture() as capture:
+        capture.watch(model)
+        # The Trainer passes the global count over every rank; outputs.loss is then S / N_global.
+        step(capture, model, batches, num_items_in_batch=torch.tensor(977))
+        got = capture.take()
+    shifted = [(x[:, :-1], labels[:, 1:]) for x, labels in batches]
+    with torch.no_grad():
+        summed = sum(float(F.cross_entropy(model.linear(x).reshape(-1, 5), lab.reshape(-1), reduction="sum"))
+                     for x, lab in shifted)
+    tokens = sum(int((lab != -100).sum()) for _, lab in shifted)
+    assert got.tokens == tokens and got.loss == pytest.approx(summed / tokens, rel=1e-6)
+
+
+def test_a_fused_trl_output_is_read_from_its_log_probs():
+    model = Tiny("fused")
+    x, labels = batch(5, 2)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels)
+        got = capture.take()
+    mask = labels[:, 1:] != -100
+    assert got.tokens == int(mask.sum())
+    assert got.loss == pytest.approx(float(-(out.log_probs.detach() * mask).sum()) / int(mask.sum()), rel=1e-6)
+
+
+def test_the_same_loss_computed_twice_counts_once_and_two_different_ones_are_refused():
+    model = Tiny()
+    x, labels = batch(6)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels)
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1))
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1), reduction="sum")  # same S and N
+        assert capture.take().loss is not None
+        out = model(x, labels=labels)
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1))
+        F.cross_entropy(out.reshape(-1, 5), labels.roll(1).reshape(-1))
+        refused = capture.take()
+    assert refused.loss is None and "2 different cross-entropy losses" in refused.reason
+
+
+@pytest.mark.parametrize("kind", ["weight", "soft", "none"])
+def test_losses_without_a_per_token_meaning_are_not_measured(kind):
+    model = Tiny()
+    x, labels = batch(7)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels).reshape(-1, 5)
+        if kind == "weight":
+            F.cross_entropy(out, labels.reshape(-1), weight=torch.ones(5))
+        elif kind == "soft":
+            F.cross_entropy(out, torch.softmax(torch.randn(12, 5), -1))
+        else:
+            F.mse_loss(out, torch.zeros_like(out))
+        got = capture.take()
+    assert got.loss is None
+    assert {"weight": "class weights", "soft": "soft", "none": "no loss was observed"}[kind] in got.reason
+
+
+def test_record_loss_wins_and_is_a_no_op_outside_a_probe():
+    record_loss(123.0)  # nothing active: nothing happens
+    model = Tiny()
+    x, labels = batch(8)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels)
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1))
+        record_loss(torch.tensor(2.0), tokens=10)
+        record_loss(4.0, tokens=30)
+        got = capture.take()
+    assert got.tokens == 40 and got.loss == pytest.approx((2.0 * 10 + 4.0 * 30) / 40)
+
+
+def test_evaluation_forwards_are_ignored_and_the_original_cross_entropy_comes_back():
+    original = F.cross_entropy
+    model = Tiny()
+    x, labels = batch(9)
+    with LossCapture() as capture:
+        assert F.cross_entropy is not original
+        capture.watch(model)
+        with torch.no_grad():
+            F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1))
+        got = capture.take()
+    assert got.loss is None and "no training forward" in got.reason
+    assert F.cross_entropy is original
+    assert math.isfinite(float(F.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]))))

@@ -1,0 +1,92 @@
+"""What a script reveals: DataLoader fetches per epoch, the DistributedSampler behind them, settings."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from healthcheck.integrations.script import observe
+from healthcheck.integrations.script.patches import Patches, install
+
+
+class Session:
+    def __init__(self):
+        self.loaders = observe.LoaderRecorder()
+
+    def on_fetch(self, iterator, indices):
+        self.loaders.on_fetch(iterator, indices)
+
+    def on_ddp(self, ddp):
+        pass
+
+    def on_process_group(self):
+        pass
+
+    def owns_comm_hook(self, ddp):
+        return False
+
+
+def test_fetches_are_recorded_per_epoch_with_the_samplers_plan():
+    session = Session()
+    data = list(range(40))
+    sampler = DistributedSampler(data, num_replicas=4, rank=1, shuffle=True, seed=7)
+    loader = DataLoader(data, batch_size=3, sampler=sampler)
+    patches = install(session)
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            seen = [int(i) for batch in loader for i in batch]
+            record = session.loaders.training_loader()
+            assert [i for e, ids in record.batches if e == epoch for i in ids] == seen == list(sampler)
+    finally:
+        patches.restore()
+    assert record.plan.model_dump() == {"seed": 7, "num_replicas": 4, "rank": 1, "shuffle": True, "drop_last": False,
+                                        "dataset_size": 40}
+    assert record.dataset_size == 40 and record.epochs_started == 2
+
+
+def test_the_sampler_is_found_through_nested_batch_samplers_and_absent_otherwise():
+    inner = DistributedSampler(list(range(10)), num_replicas=2, rank=0, seed=3)
+    assert observe.sampler_plan(BatchSampler(inner, 2, False)).seed == 3
+    assert observe.sampler_plan(BatchSampler(RandomSampler(range(10)), 2, False)) is None
+
+
+def test_the_loader_that_fetched_most_is_the_training_loader():
+    session = Session()
+    patches = install(session)
+    try:
+        list(DataLoader(list(range(30)), batch_size=2))
+        list(DataLoader(list(range(6)), batch_size=2))
+    finally:
+        patches.restore()
+    assert session.loaders.training_loader().samples == 30
+
+
+def test_patches_restore_every_original():
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import dataloader
+
+    before = (DistributedDataParallel.__init__, dataloader._BaseDataLoaderIter._next_index)
+    install(Session()).restore()
+    assert (DistributedDataParallel.__init__, dataloader._BaseDataLoaderIter._next_index) == before
+    patches = Patches()
+    patches.wrap(object(), "missing", lambda original: None)  # nothing to wrap: left alone
+    patches.restore()
+
+
+def test_optimizer_facts_hold_the_hyperparameters_a_rank_could_get_wrong():
+    model = torch.nn.Linear(2, 2)
+    facts = observe.optimizer_facts(torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
+    assert facts["optimizer"] == "AdamW" and facts["optimizer.lr"] == "0.0003"
+    assert facts["optimizer.weight_decay"] == "0.1" and facts["optimizer.betas"] == "(0.9, 0.999)"
+    assert "optimizer.params" not in facts
+
+
+def test_first_forward_facts_read_the_precision_and_the_seed():
+    torch.manual_seed(11)
+    model = torch.nn.Linear(2, 2)
+    facts = observe.first_forward_facts(model)
+    assert facts["torch_seed"] == 11 and facts["precision"] == "fp32" and facts["model_dtype"] == "float32"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert observe.first_forward_facts(model)["precision"] == "bfloat16 autocast"

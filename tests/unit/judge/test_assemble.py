@@ -1,0 +1,38 @@
+"""The script branch of the audit assembly: the shard plan rebuilt from the samplers the ranks reported."""
+
+from __future__ import annotations
+
+from torch.utils.data.distributed import DistributedSampler
+
+from healthcheck.artifacts import RankEvidence, SamplerPlan
+from healthcheck.judge.assemble import script_shard_audit
+
+
+def evidence(rank: int, world: int, seed: int, n: int = 64, take: int = 8, sampler: bool = True) -> RankEvidence:
+    order = list(DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed, shuffle=True))[:take]
+    plan = SamplerPlan(seed=seed, num_replicas=world, rank=rank, shuffle=True, drop_last=False, dataset_size=n)
+    return RankEvidence(consumed=[(0, order[:4]), (0, order[4:])], sampler=plan if sampler else None,
+                        shard_source="sampler" if sampler else "loader")
+
+
+def test_a_shared_sampler_seed_passes_in_the_planned_order():
+    outcome = script_shard_audit([evidence(r, 4, seed=5) for r in range(4)])
+    assert outcome.passed and outcome.signature == "disjoint" and "planned order" in outcome.message
+
+
+def test_one_rank_with_its_own_sampler_seed_departs_from_the_majority_plan():
+    ranks = [evidence(r, 4, seed=5 if r != 2 else 99) for r in range(4)]
+    outcome = script_shard_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (2,)
+
+
+def test_without_a_distributed_sampler_only_overlap_is_judged():
+    disjoint = [evidence(r, 4, seed=5, sampler=False) for r in range(4)]
+    assert script_shard_audit(disjoint).passed and "order was not checked" in script_shard_audit(disjoint).message
+    same = [evidence(0, 4, seed=5, sampler=False) for _ in range(4)]
+    assert script_shard_audit(same).signature == "identical"
+
+
+def test_no_batches_is_not_measured():
+    outcome = script_shard_audit([RankEvidence(shard_source="none") for _ in range(2)])
+    assert outcome.passed and not outcome.measured and outcome.message.startswith("not measured")
