@@ -1,3 +1,4 @@
-"""What a run reports: the terminal (:mod:`.terminal`), Markdown (:mod:`.markdown`), plots (:mod:`.plots`),
-JUnit and annotations (:mod:`.ci_outputs`), OpenMetrics (:mod:`.openmetrics`), all written by
-:mod:`.report`."""
+"""What a run reports: the terminal (:mod:`.terminal`), the self-contained page (:mod:`.html`, charts in
+:mod:`.charts`), Markdown (:mod:`.markdown`, Mermaid charts for the CI summary in :mod:`.mermaid`), plots
+(:mod:`.plots`), JUnit and annotations (:mod:`.ci_outputs`), OpenMetrics (:mod:`.openmetrics`), all
+written by :mod:`.report`."""

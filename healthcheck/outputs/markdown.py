@@ -36,8 +36,10 @@ def render_markdown(
     *,
     steps: Optional[Sequence[Mapping[str, Any]]] = None,
     plots: Sequence[str] = (),
+    charts: str = "",
 ) -> str:
-    """The terminal report as GitHub-flavoured markdown; ``plots`` are image paths relative to the file."""
+    """The terminal report as GitHub-flavoured markdown; ``plots`` are image paths relative to the file,
+    ``charts`` a Markdown section of Mermaid charts (:func:`healthcheck.outputs.mermaid.summary_charts`)."""
     label, sentence, _ = verdict_headline(verdict, result.status, result.failure)
     per_rank = rank_summaries(result, steps)
     standouts = find_standouts(per_rank, steps, result.window_start_step)
@@ -73,6 +75,8 @@ def render_markdown(
     if result.nonfinite:
         out += ["", "### Non-finite values", ""]
         out += [f"- {e.what} on rank {e.rank} at step {e.step}" for e in result.nonfinite]
+    if charts:
+        out += ["", charts.rstrip()]
     if plots:
         out += ["", "### Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(out).rstrip() + "\n"

@@ -1,16 +1,18 @@
 """A finished run's summary as OpenMetrics text, for GitLab's ``artifacts:reports:metrics`` or any
-Prometheus-style scraper. Imports neither torch nor transformers::
+Prometheus-style scraper, written by ``prometheus_client``. Imports neither torch nor transformers::
 
     python -m healthcheck.integrations openmetrics RUN_DIR > metrics.txt
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from healthcheck.artifacts import RunResult, load_result
 from healthcheck.errors import HealthcheckError, one_line
@@ -21,50 +23,14 @@ from healthcheck.judge.envelope import METRICS
 STATISTICS = ("median", "p95", "min", "max")
 
 
-def format_openmetrics_value(value: float) -> str:
-    """A sample value as OpenMetrics writes it.
+class _Families(Collector):
+    """A fixed list of metric families, for a one-off registry (prometheus_client writes from a registry)."""
 
-    >>> [format_openmetrics_value(v) for v in (0.5, 3, float("inf"), float("nan"))]
-    ['0.5', '3.0', '+Inf', 'NaN']
-    """
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
+    def __init__(self, families: list[Metric]):
+        self.families = families
 
-
-def escape_text(text: str) -> str:
-    r"""Escape a label value or HELP text as OpenMetrics does: backslash, double quote, newline.
-
-    >>> escape_text('a"b\\c')
-    'a\\"b\\\\c'
-    """
-    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    inner = ",".join(f'{key}="{escape_text(value)}"' for key, value in labels.items())
-    return "{" + inner + "}" if inner else ""
-
-
-@dataclasses.dataclass
-class _Family:
-    """One metric family: metadata lines, then its samples (OpenMetrics keeps a family contiguous)."""
-
-    name: str
-    help: str
-    unit: str = ""
-    samples: list[tuple[dict[str, str], float]] = dataclasses.field(default_factory=list)
-
-    def lines(self) -> list[str]:
-        out = [f"# TYPE {self.name} gauge"]
-        if self.unit:
-            out.append(f"# UNIT {self.name} {self.unit}")
-        out.append(f"# HELP {self.name} {escape_text(self.help)}")
-        out += [f"{self.name}{_labels(labels)} {format_openmetrics_value(value)}" for labels, value in self.samples]
-        return out
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
 def openmetrics_from_result(result: RunResult, *, prefix: str = "healthcheck") -> str:
@@ -72,8 +38,8 @@ def openmetrics_from_result(result: RunResult, *, prefix: str = "healthcheck") -
 
     Each summary metric becomes ``<prefix>_<metric>{probe="...",statistic="median|p95|min|max"}``
     over the post-warmup window; missing (None) statistics are left out rather than written as NaN,
-    so a short or crashed run exports what it has. Run-level gauges follow: whether the probe
-    completed, steps completed, window steps, world size and wall time.
+    so a short or crashed run exports what it has, and a family with no sample is left out. Run-level
+    gauges follow: whether the probe completed, steps completed, window steps, world size and wall time.
 
     >>> from healthcheck.config import ProbeConfig
     >>> from healthcheck.artifacts import MetricSummary, Timing
@@ -83,15 +49,15 @@ def openmetrics_from_result(result: RunResult, *, prefix: str = "healthcheck") -
     >>> print(openmetrics_from_result(result).splitlines()[2])
     healthcheck_loss_std{probe="demo",statistic="median"} 0.25
     """
-    probe = {"probe": result.name}
-    families: list[_Family] = []
+    families: list[Metric] = []
     for metric in sorted(result.summary):
         summary = result.summary[metric]
-        family = _Family(f"{prefix}_{metric}", f"{METRICS[metric].description if metric in METRICS else metric} (window statistic)")
+        description = METRICS[metric].description if metric in METRICS else metric
+        family = GaugeMetricFamily(f"{prefix}_{metric}", f"{description} (window statistic)", labels=["probe", "statistic"])
         for statistic in STATISTICS:
             value = getattr(summary, statistic)
             if value is not None:
-                family.samples.append(({**probe, "statistic": statistic}, value))
+                family.add_metric([result.name, statistic], value)
         families.append(family)
     complete = 1.0 if result.status == "complete" else 0.0
     world_size = result.environment.world_size if result.environment else None
@@ -103,12 +69,13 @@ def openmetrics_from_result(result: RunResult, *, prefix: str = "healthcheck") -
         ("wall_seconds", "whole probe wall time, start-up included", "seconds", result.timing.wall_s),
     ]
     for name, help_text, unit, value in run_gauges:
-        family = _Family(f"{prefix}_{name}", help_text, unit)
+        family = GaugeMetricFamily(f"{prefix}_{name}", help_text, labels=["probe"], unit=unit)
         if value is not None:
-            family.samples.append((dict(probe), value))
+            family.add_metric([result.name], value)
         families.append(family)
-    lines = [line for family in families if family.samples for line in family.lines()]
-    return "\n".join([*lines, "# EOF"]) + "\n"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([family for family in families if family.samples]))
+    return generate_latest(registry).decode("utf-8")
 
 
 def main(argv: Iterable[str] | None = None) -> int:

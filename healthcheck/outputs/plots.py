@@ -13,30 +13,34 @@ from __future__ import annotations
 
 import io
 import math
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from healthcheck.artifacts import RunResult
 from healthcheck.files import write_bytes_atomic
-from healthcheck.finite import is_finite_number
-from healthcheck.judge.attribution import find_standouts, rank_summaries
 from healthcheck.judge.findings import Finding, Verdict
+from healthcheck.outputs import series
+from healthcheck.outputs.series import (
+    DISPERSION_PANELS,
+    cosine_scale,
+    findings_for,
+    loss_by_rank,
+    mean_loss,
+    mean_pairwise_cosine,
+    panel_points,
+)
 from healthcheck.outputs.text import verdict_headline
 
 LOSS_PNG = "loss.png"
 DISPERSION_PNG = "dispersion.png"
 COSINE_PNG = "cosine.png"
 DPI = 110
-#: The cosine heatmap's colour scale spans the off-diagonal values, but never less than this.
-MIN_COSINE_SPAN = 0.2
-
-#: (aggregates key, panel label) for dispersion.png, top to bottom.
-DISPERSION_PANELS = (
-    ("loss_std", "loss std across ranks\n(nats/token)"),
-    ("grad_norm_cv", "grad-norm CV across ranks\n(std / mean)"),
-    ("cosine_mean", "mean pairwise\ngradient cosine"),
-)
+#: Panel y labels, wrapped for matplotlib's narrow axis.
+_PANEL_YLABELS = {
+    "loss_std": "loss std across ranks\n(nats/token)",
+    "grad_norm_cv": "grad-norm CV across ranks\n(std / mean)",
+    "cosine_mean": "mean pairwise\ngradient cosine",
+}
 _OK, _BAD, _BAND, _WARMUP = "#2a9d4a", "#d62728", "#1f77b4", "#bbbbbb"
 
 
@@ -53,11 +57,11 @@ def write_plots(
     plots_dir = Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
     label = verdict_headline(verdict, result.status, result.failure)[0]
-    standout_ranks = sorted({s.rank for s in find_standouts(rank_summaries(result, steps), steps, result.window_start_step)})
+    standouts = series.standout_ranks(result, steps)
     written = []
     if steps:
         fig = Figure(figsize=(9, 5), layout="constrained")
-        draw_loss(fig, result, steps, aggregates, standout_ranks, label)
+        draw_loss(fig, result, steps, aggregates, standouts, label)
         written.append(_save(fig, plots_dir / LOSS_PNG))
     if aggregates:
         fig = Figure(figsize=(11, 8), layout="constrained")
@@ -66,7 +70,7 @@ def write_plots(
     matrix = mean_pairwise_cosine(aggregates, result.window_start_step)
     if matrix is not None:
         fig = Figure(figsize=(7, 6), layout="constrained")
-        draw_cosine(fig, result, matrix, standout_ranks, label)
+        draw_cosine(fig, result, matrix, standouts, label)
         written.append(_save(fig, plots_dir / COSINE_PNG))
     return written
 
@@ -101,17 +105,11 @@ def draw_loss(
     label: str,
 ) -> None:
     """Global mean loss over the per-rank min-max band and each rank's thin line."""
-    per_rank: dict[int, dict[int, float]] = defaultdict(dict)
-    for row in steps:
-        if is_finite_number(row.get("loss")) and row.get("rank") is not None:
-            per_rank[int(row["rank"])][int(row["step"])] = float(row["loss"])
-    by_step: dict[int, list[float]] = defaultdict(list)
-    for values in per_rank.values():
-        for step, loss in values.items():
-            by_step[step].append(loss)
-    xs = sorted(by_step)
-    mean_by_step = {int(a["step"]): float(a["loss_mean"]) for a in aggregates if is_finite_number(a.get("loss_mean"))}
-    mean = [mean_by_step.get(s, sum(by_step[s]) / len(by_step[s])) for s in xs]
+    per_rank = loss_by_rank(steps)
+    mean_by_step = mean_loss(per_rank, aggregates)
+    xs = list(mean_by_step)
+    mean = list(mean_by_step.values())
+    by_step = {s: [values[s] for values in per_rank.values() if s in values] for s in xs}
 
     ax = fig.add_subplot()
     _mark_warmup(ax, result, xs[0] if xs else 0, label=True)
@@ -139,10 +137,6 @@ def draw_loss(
     ax.legend(loc="upper right", fontsize=9)
 
 
-def _findings_for(verdict: Optional[Verdict], metric: str) -> list[Finding]:
-    return [f for f in (verdict.findings if verdict else []) if f.metric == metric and f.observed is not None]
-
-
 def draw_dispersion(fig: Any, result: RunResult, verdict: Optional[Verdict], aggregates: Sequence[Mapping[str, Any]], label: str) -> None:
     """Three stacked panels sharing the step axis, each with its envelope band and window statistic.
 
@@ -152,11 +146,11 @@ def draw_dispersion(fig: Any, result: RunResult, verdict: Optional[Verdict], agg
     axes = fig.subplots(len(DISPERSION_PANELS), 1, sharex=True)
     xs_all = [int(a["step"]) for a in aggregates]
     window_end = xs_all[-1] if xs_all else result.window_start_step
-    for ax, (key, ylabel) in zip(axes, DISPERSION_PANELS, strict=True):
-        points = [(int(a["step"]), float(a[key])) for a in aggregates if is_finite_number(a.get(key))]
+    for ax, (key, _) in zip(axes, DISPERSION_PANELS, strict=True):
+        points = [(step, value) for step, value in panel_points(aggregates, key) if value is not None]
         _mark_warmup(ax, result, xs_all[0] if xs_all else 0, label=True)
         ax.plot([p[0] for p in points], [p[1] for p in points], color="black", lw=1.3, label="per step")
-        for finding in _findings_for(verdict, key):
+        for finding in findings_for(verdict, key):
             _draw_envelope(ax, finding, result.window_start_step, window_end)
             if not finding.passed:
                 for spine in ax.spines.values():
@@ -165,7 +159,7 @@ def draw_dispersion(fig: Any, result: RunResult, verdict: Optional[Verdict], agg
         if xs_all:
             ax.set_xlim(xs_all[0], xs_all[-1])
             _mark_stop(ax, result, xs_all[-1])
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(_PANEL_YLABELS.get(key, key))
         ax.grid(alpha=0.3)
         # Outside the panel: inside, the legend would hide the very steps that moved.
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
@@ -190,32 +184,6 @@ def _draw_envelope(ax: Any, finding: Finding, window_start: int, window_end: int
     )
 
 
-def mean_pairwise_cosine(aggregates: Sequence[Mapping[str, Any]], start_step: int) -> Optional[list[list[float]]]:
-    """Element-wise mean of the window's pairwise-cosine matrices, ignoring nulls (NaN where none).
-
-    >>> mean_pairwise_cosine([{"step": 5, "pairwise_cosine": [[1, 0.2], [0.2, 1]]},
-    ...                       {"step": 6, "pairwise_cosine": [[1, None], [0.4, 1]]}], start_step=5)
-    [[1.0, 0.2], [0.30000000000000004, 1.0]]
-    """
-    sums: Optional[list[list[float]]] = None
-    counts: Optional[list[list[int]]] = None
-    for row in aggregates:
-        matrix = row.get("pairwise_cosine")
-        if row.get("step", -1) < start_step or not matrix:
-            continue
-        n = len(matrix)
-        if sums is None or len(sums) != n:  # the first matrix, or a new world size: keep the latest shape
-            sums, counts = [[0.0] * n for _ in range(n)], [[0] * n for _ in range(n)]
-        for i, line in enumerate(matrix[:n]):
-            for j, value in enumerate(line[:n]):
-                if is_finite_number(value):
-                    sums[i][j] += float(value)
-                    counts[i][j] += 1  # type: ignore[index]
-    if sums is None or counts is None:
-        return None
-    return [[s / c if c else math.nan for s, c in zip(srow, crow, strict=True)] for srow, crow in zip(sums, counts, strict=True)]
-
-
 def _text_color(image: Any, value: float) -> str:
     """Black on light cells, white on dark ones (relative luminance of the cell's colour)."""
     if not math.isfinite(value):
@@ -231,11 +199,7 @@ def draw_cosine(fig: Any, result: RunResult, matrix: list[list[float]], standout
     data = np.array(matrix, dtype=float)
     n = data.shape[0]
     np.fill_diagonal(data, np.nan)
-    off_diagonal = data[np.isfinite(data)]
-    low, high = (float(off_diagonal.min()), float(off_diagonal.max())) if off_diagonal.size else (0.0, 1.0)
-    if high - low < MIN_COSINE_SPAN:  # so that a healthy run's noise does not fill the whole colour scale
-        middle = (low + high) / 2
-        low, high = middle - MIN_COSINE_SPAN / 2, middle + MIN_COSINE_SPAN / 2
+    low, high = cosine_scale(matrix)
     ax = fig.add_subplot()
     image = ax.imshow(np.ma.masked_invalid(data), cmap="viridis", vmin=low, vmax=high)
     ax.set_facecolor("#eeeeee")

@@ -4,8 +4,9 @@ on which rank, after which config change.
 :func:`publish_report` writes every file and prints the terminal report:
 
 * the terminal (:mod:`.terminal`);
-* ``report.md`` (:mod:`.markdown`, also appended to ``$GITHUB_STEP_SUMMARY``), ``junit.xml``
-  (:mod:`.ci_outputs`) and ``plots/*.png`` (:mod:`.plots`);
+* ``report.html`` (:mod:`.html`: one self-contained page with inline SVG charts), ``report.md``
+  (:mod:`.markdown`), ``junit.xml`` (:mod:`.ci_outputs`) and ``plots/*.png`` (:mod:`.plots`);
+* the Markdown, with Mermaid charts (:mod:`.mermaid`), appended to ``$GITHUB_STEP_SUMMARY``;
 * ``::error`` annotations on stdout when ``GITHUB_ACTIONS=true``.
 
 Re-render a finished run with ``healthcheck report runs/default-20251122T010000.000000Z``.
@@ -25,11 +26,14 @@ from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, RunResult
 from healthcheck.files import read_jsonl, write_text_atomic
 from healthcheck.judge.findings import Verdict
 from healthcheck.outputs.ci_outputs import emit_annotations, render_junit
+from healthcheck.outputs.html import render_html
 from healthcheck.outputs.markdown import render_markdown
+from healthcheck.outputs.mermaid import summary_charts
 from healthcheck.outputs.terminal import render_terminal
 
 log = logging.getLogger(__name__)
 
+HTML_FILE = "report.html"
 REPORT_FILE = "report.md"
 JUNIT_FILE = "junit.xml"
 PLOTS_DIR = "plots"
@@ -42,26 +46,49 @@ def write_report_files(
     *,
     environ: Optional[Mapping[str, str]] = None,
 ) -> list[Path]:
-    """Write ``report.md``, ``junit.xml`` and ``plots/*.png`` into ``run_dir``; append the markdown to
-    ``$GITHUB_STEP_SUMMARY`` when set. Returns the files written in ``run_dir``."""
+    """Write ``report.html``, ``report.md``, ``junit.xml`` and ``plots/*.png`` into ``run_dir``; append
+    the Markdown, with Mermaid charts, to ``$GITHUB_STEP_SUMMARY`` when set. Returns the files written
+    in ``run_dir``, ``report.html`` first."""
     run_dir = Path(run_dir)
     env = os.environ if environ is None else environ
     steps = list(read_jsonl(run_dir / STEPS_FILE))
     aggregates = list(read_jsonl(run_dir / AGGREGATES_FILE))
+    html = _write_html(run_dir / HTML_FILE, result, verdict, steps, aggregates)
     plots = _write_plots(run_dir / PLOTS_DIR, result, verdict, steps, aggregates)
     markdown = render_markdown(result, verdict, steps=steps, plots=[p.relative_to(run_dir).as_posix() for p in plots])
     write_text_atomic(run_dir / REPORT_FILE, markdown)
     write_text_atomic(run_dir / JUNIT_FILE, render_junit(result, verdict))
     summary_path = env.get("GITHUB_STEP_SUMMARY")
     if summary_path:
-        # The summary cannot show files from the runner, so it gets the report without the images.
-        summary = render_markdown(result, verdict, steps=steps) + f"\nPlots and junit.xml: `{run_dir}`\n\n"
+        # The summary cannot show files from the runner: no images, but Mermaid charts GitHub draws itself.
+        try:
+            charts = summary_charts(result, verdict, steps, aggregates)
+        except Exception as exc:  # noqa: BLE001  (as for the plots: never a wrong exit code)
+            log.warning("step summary charts left out: %s: %s", type(exc).__name__, exc)
+            charts = ""
+        summary = render_markdown(result, verdict, steps=steps, charts=charts) + f"\nreport.html, plots and junit.xml: `{run_dir}`\n\n"
         try:
             with open(summary_path, "a", encoding="utf-8") as handle:
                 handle.write(summary)
         except OSError as exc:
             log.warning("GITHUB_STEP_SUMMARY %s: cannot append (%s)", summary_path, exc.strerror or exc)
-    return [run_dir / REPORT_FILE, run_dir / JUNIT_FILE, *plots]
+    return [*html, run_dir / REPORT_FILE, run_dir / JUNIT_FILE, *plots]
+
+
+def _write_html(
+    path: Path,
+    result: RunResult,
+    verdict: Optional[Verdict],
+    steps: Sequence[Mapping[str, Any]],
+    aggregates: Sequence[Mapping[str, Any]],
+) -> list[Path]:
+    # Like the plots: the verdict is decided, so a rendering bug is logged, never a wrong exit code.
+    try:
+        write_text_atomic(path, render_html(result, verdict, steps, aggregates))
+    except Exception as exc:  # noqa: BLE001
+        log.warning("%s not written: %s: %s", path, type(exc).__name__, exc)
+        return []
+    return [path]
 
 
 def _write_plots(
@@ -87,6 +114,7 @@ def publish_report(run_dir: Path, result: RunResult, verdict: Optional[Verdict],
     console = console or Console(highlight=False)
     written = write_report_files(run_dir, result, verdict)
     render_terminal(result, verdict, console, steps=list(read_jsonl(Path(run_dir) / STEPS_FILE)))
-    plots = f" (+{len(written) - 2} plots)" if len(written) > 2 else ""
-    console.print(Text(f"\nreport: {written[0]}, {written[1].name}{plots}"))
+    others = [p.name for p in written[1:] if p.parent == written[0].parent]
+    plots = len(written) - 1 - len(others)
+    console.print(Text(f"\nreport: {written[0]} (also {', '.join(others)}{f', {plots} plots' if plots else ''})"))
     emit_annotations(verdict, result)

@@ -60,7 +60,7 @@ def test_worker_crash_exits_3_naming_rank_and_step(tmp_path, mode):
     result = result_of(out)
     assert result["status"] == "incomplete" and "rank 1" in result["failure"]
     assert sorted({row["step"] for row in read_rows(out / "steps.jsonl")}) == [0, 1, 2]  # kept, not lost
-    assert (out / "report.md").exists() and (out / "junit.xml").exists()
+    assert all((out / name).exists() for name in ("report.html", "report.md", "junit.xml"))
     assert_no_workers_left(out)
 
 

@@ -390,3 +390,16 @@ def test_openmetrics_command_writes_the_report_and_fails_cleanly_on_a_bad_run_di
     assert integrations_main(["openmetrics", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("healthcheck: error: ") and "result.json: not found" in err and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- .ci/run and the README
+
+
+def test_the_readme_test_command_is_exactly_what_ci_runs():
+    script = (REPO / ".ci" / "run").read_text().splitlines()
+    readme = (REPO / "README.md").read_text()
+    command = script[-1]
+    assert command.endswith("python3 -m pytest -q") and "install -y --no-install-recommends chromium" in command
+    assert f"```bash\n{command}\n```" in readme
+    assert run(tool("shellcheck"), REPO / ".ci" / "run").returncode == 0
+    assert (REPO / "docs" / "report-fail.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the README's screenshot

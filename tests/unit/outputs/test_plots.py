@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from matplotlib.image import imread
 
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE
 from healthcheck.files import read_jsonl
-from healthcheck.outputs import plots
+from healthcheck.outputs import plots, series
 from tests.fixtures_runs import write_fake_run
 
 
@@ -93,7 +92,7 @@ def test_dispersion_without_a_verdict_draws_no_envelope(failing):
 
 def test_cosine_heatmap_is_labelled_and_annotated(failing):
     result, verdict, steps, aggregates = failing
-    matrix = plots.mean_pairwise_cosine(aggregates, result.window_start_step)
+    matrix = series.mean_pairwise_cosine(aggregates, result.window_start_step)
     fig = Figure()
     plots.draw_cosine(fig, result, matrix, standout_ranks=[0], label="FAIL")
     ax = fig.axes[0]
@@ -106,19 +105,6 @@ def test_cosine_heatmap_is_labelled_and_annotated(failing):
     assert ax.get_xticklabels()[0].get_color() == plots._BAD
     assert "rank 0 stands out" in ax.get_title()
     assert len(fig.axes) == 2 and "cosine" in fig.axes[1].get_ylabel()  # the colorbar
-
-
-def test_mean_pairwise_cosine_skips_warmup_and_nulls():
-    rows = [
-        {"step": 0, "pairwise_cosine": [[1, -1.0], [-1.0, 1]]},
-        {"step": 5, "pairwise_cosine": [[1, 0.2], [None, 1]]},
-        {"step": 6, "pairwise_cosine": [[1, 0.4], [None, 1]]},
-        {"step": 7, "pairwise_cosine": None},
-    ]
-    matrix = plots.mean_pairwise_cosine(rows, start_step=5)
-    assert matrix[0][1] == pytest.approx(0.3)
-    assert math.isnan(matrix[1][0])
-    assert plots.mean_pairwise_cosine(rows[:1], start_step=5) is None
 
 
 def test_an_incomplete_run_marks_where_it_stopped(tmp_path):

@@ -393,7 +393,9 @@ def test_write_report_files_on_a_failing_run(runs, no_plots, tmp_path, monkeypat
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     run = runs["fail"]
     written = report.write_report_files(run.dir, run.result, run.verdict)
-    assert written == [run.dir / "report.md", run.dir / "junit.xml"]
+    assert written == [run.dir / "report.html", run.dir / "report.md", run.dir / "junit.xml"]
+    assert "<strong>FAIL</strong>" in (run.dir / "report.html").read_text()
+    assert not list(run.dir.glob(".*.tmp"))  # written through the atomic writer
     markdown = (run.dir / "report.md").read_text()
     assert "FAIL — silent inconsistency" in markdown and "rank 0 stands out" in markdown
     parse_junit((run.dir / "junit.xml").read_text())
@@ -402,24 +404,31 @@ def test_write_report_files_on_a_failing_run(runs, no_plots, tmp_path, monkeypat
     assert appended.startswith("earlier step\n")
     assert appended.count("## healthcheck `s1-2-probe`: FAIL") == 2
     assert "![" not in appended  # runner files cannot show in the summary
+    assert appended.count("```mermaid\n%%{init") == 2 * 4  # loss + 3 dispersion panels, twice; GitHub draws them
+    assert "```mermaid" not in markdown  # report.md links the PNGs instead
 
 
-def test_write_report_files_without_a_verdict(runs, no_plots):
-    run = runs["none"]
+@pytest.mark.parametrize(("kind", "label"), [("none", "NO BASELINE"), ("incomplete", "INCOMPLETE")])
+def test_write_report_files_without_a_verdict(runs, no_plots, kind, label):
+    run = runs[kind]
+    (run.dir / "report.html").unlink(missing_ok=True)
     report.write_report_files(run.dir, run.result, None)
-    assert "NO BASELINE" in (run.dir / "report.md").read_text()
-    assert parse_junit((run.dir / "junit.xml").read_text()).get("skipped") == "1"
+    assert label in (run.dir / "report.md").read_text()
+    assert f"<strong>{label}</strong>" in (run.dir / "report.html").read_text()
+    suite = parse_junit((run.dir / "junit.xml").read_text())
+    assert (suite.get("skipped"), suite.get("errors")) == {"none": ("1", "0"), "incomplete": ("0", "1")}[kind]
 
 
 @pytest.mark.parametrize(("kind", "code"), [("fail", 1), ("pass", 0), ("none", 0), ("incomplete", 3)])
 def test_render_run_rewrites_the_files_and_returns_the_exit_code(runs, no_plots, monkeypatch, capsys, kind, code):
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     run = runs[kind]
-    (run.dir / "report.md").unlink(missing_ok=True)
+    for name in ("report.md", "report.html"):
+        (run.dir / name).unlink(missing_ok=True)
     console = Console(record=True, width=80, file=io.StringIO())
     assert gate.rerender(run.dir, console) == code
-    assert (run.dir / "report.md").exists() and (run.dir / "junit.xml").exists()
-    assert f"report:{run.dir / 'report.md'},junit.xml" in re.sub(r"\s", "", console.export_text())
+    assert all((run.dir / name).exists() for name in ("report.html", "report.md", "junit.xml"))
+    assert f"report:{run.dir / 'report.html'}(alsoreport.md,junit.xml)" in re.sub(r"\s", "", console.export_text())
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::error ")]
     assert len(errors) == {"fail": 3, "pass": 0, "none": 0, "incomplete": 1}[kind]
 
@@ -437,5 +446,16 @@ def test_a_plotting_failure_does_not_stop_the_text_reports(runs, monkeypatch, ca
 
     monkeypatch.setattr("healthcheck.outputs.plots.write_plots", broken)
     run = runs["pass"]
-    assert report.write_report_files(run.dir, run.result, run.verdict) == [run.dir / "report.md", run.dir / "junit.xml"]
+    written = report.write_report_files(run.dir, run.result, run.verdict)
+    assert written == [run.dir / name for name in ("report.html", "report.md", "junit.xml")]
     assert "plots not written" in caplog.text and "no fonts" in caplog.text
+
+
+def test_an_html_failure_does_not_stop_the_other_reports(runs, no_plots, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise ValueError("bad chart")
+
+    monkeypatch.setattr(report, "render_html", broken)
+    run = runs["pass"]
+    assert report.write_report_files(run.dir, run.result, run.verdict) == [run.dir / "report.md", run.dir / "junit.xml"]
+    assert "report.html not written: ValueError: bad chart" in caplog.text
