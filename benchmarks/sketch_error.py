@@ -1,4 +1,4 @@
-"""Measure the count-sketch pairwise-cosine error against exact mode on real transformer gradients.
+"""Measure the folded count sketch's pairwise-cosine error against exact mode on real transformer gradients.
 
 A tiny GPT-2 (2 layers, n_embd 64) is trained on random tokens on N gloo ranks. Each rank holds
 one DDP copy monitored with ``direction="exact"`` and one per sketch width k, all with identical
@@ -7,7 +7,9 @@ pairwise cosines with the exact ones over every off-diagonal pair of every step.
 
     python benchmarks/sketch_error.py --nproc 8 --steps 5
 
-The numbers printed by that command are copied into the ``healthcheck/monitor.py`` docstring.
+The sketch of width k uses p bins, the largest prime <= k that divides no tensor dimension of the
+model (``healthcheck.measure.sketch.safe_sketch_size``); its stated bound is std(Δcos) <= sqrt(2/p).
+The printed table is the README's "Sketch accuracy" table.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
         for name, k in directions.items():
             models[name] = DistributedDataParallel(_gpt2(vocab_size, seq_len))
             monitors[name] = WorkerConsistencyMonitor(
-                models[name], direction="exact" if k is None else "sketch", sketch_dim=k or 1
+                models[name], direction="exact" if k is None else "sketch", sketch_dim=k or 1, overlap=False
             )
         errors: dict[str, list[float]] = {name: [] for name in directions if name != "exact"}
         for step in range(steps):
@@ -75,7 +77,8 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
                 model.zero_grad(set_to_none=True)
         for monitor in monitors.values():
             monitor.close()
-        return errors if rank == 0 else None
+        widths = {name: monitors[name]._sketcher.dim for name in errors}
+        return {"errors": errors, "widths": widths} if rank == 0 else None
     finally:
         distributed.destroy_distributed()
 
@@ -96,13 +99,16 @@ def main() -> None:
         _worker, args.nproc, args=(args.nproc, args.steps, args.vocab_size, args.seq_len, args.batch),
         run_id="sketch-error",
     )
-    errors = results[0]
+    errors, widths = results[0]["errors"], results[0]["widths"]
     pairs = len(next(iter(errors.values())))
     print(f"tiny GPT-2, {args.nproc} gloo ranks, {args.steps} steps, {pairs} ordered rank pairs per k")
-    print(f"{'k':>7}  {'sqrt(2/k)':>9}  {'mean |Δcos|':>11}  {'max |Δcos|':>10}")
+    print("| k | p (bins) | bound sqrt(2/p) on std | rms Δcos | mean \\|Δcos\\| | max \\|Δcos\\| |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for k in SKETCH_DIMS:
         values = errors[f"k={k}"]
-        print(f"{k:>7}  {math.sqrt(2 / k):>9.4f}  {sum(values) / len(values):>11.4f}  {max(values):>10.4f}")
+        p = widths[f"k={k}"]
+        rms = math.sqrt(sum(v * v for v in values) / len(values))
+        print(f"| {k} | {p} | {math.sqrt(2 / p):.4f} | {rms:.4f} | {sum(values) / len(values):.4f} | {max(values):.4f} |")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,39 @@ class Timing(Record):
     launch_attempts: int = Field(
         1, ge=1, description="Worker launches; 2 when the first stalled in start-up and the probe relaunched."
     )
+    phases: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds per phase on rank 0: launch (command start to the worker running), rendezvous, "
+        "build (data, model, monitor), start_checks, train, finish (the audits' gather).",
+    )
+
+
+class EarlyStop(Record):
+    """Why a probe stopped before ``train.steps``: the first decisive failure, the same on every rank."""
+
+    step: int = Field(description="The step whose evidence decided (0 for evidence known before the first step).")
+    check: str = Field(description="The audit that decided: data_shards, seeds, environment, param_equality, nonfinite.")
+    message: str = Field(description="The audit's one-line message.")
+
+    def headline(self) -> str:
+        """``stopped early at step S: <check>``.
+
+        >>> EarlyStop(step=0, check="data_shards", message="ranks 0-7 read the same samples").headline()
+        'stopped early at step 0: data_shards'
+        """
+        return f"stopped early at step {self.step}: {self.check}"
+
+
+class FailFastPolicy(Record):
+    """What the workers stop on (``healthcheck probe`` fails fast unless ``--no-fail-fast``).
+
+    A decisive audit failure stops every rank at the same step, unless the baseline approves exactly
+    that deviation (its ``audits`` signatures). A non-finite loss or gradient always stops the run:
+    the update has already spread it to every rank.
+    """
+
+    enabled: bool = Field(True, description="Stop at the first decisive audit failure.")
+    approved: dict[str, str] = Field(default_factory=dict, description="Baseline-approved audit signatures.")
 
 
 class MetricSummary(Record):
@@ -164,6 +197,9 @@ class RunResult(Record):
     loss_note: Optional[str] = Field(
         None, description="Why the per-rank loss was not measured (a script whose loss healthcheck cannot see); "
         "None when it was. The gradient metrics and the audits do not depend on it."
+    )
+    stopped_early: Optional[EarlyStop] = Field(
+        None, description="Set when the probe stopped at a decisive failure before train.steps (fail fast)."
     )
 
 
@@ -266,7 +302,8 @@ class WorkerReport(Record):
     startup_s: float = Field(description="From command start to the first training step.")
     train_s: float = Field(description="The training loop.")
     steps_completed: int
-    stopped_early: Optional[str] = Field(None, description="Why the loop stopped before train.steps, if it did.")
+    stopped_early: Optional[EarlyStop] = Field(None, description="Why the loop stopped before train.steps, if it did.")
+    phases: dict[str, float] = Field(default_factory=dict, description="Seconds per start-up and run phase (Timing.phases).")
 
 
 class WorkerFailure(Record):

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show every worker's output on the console (default: RUN_DIR/logs/rank-N.log)")
     probe.add_argument("--audits-only", action="store_true",
                        help="judge the exact audits against their ideal expectations; no baseline needed, no envelope judged")
+    probe.add_argument("--no-fail-fast", action="store_true",
+                       help="run every step even after a decisive audit failure (default: stop every rank at the "
+                            "first one, exit 1; a non-finite value stops the run either way)")
 
     config = commands.add_parser("config", help="show the resolved config or its JSON Schema")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -148,11 +151,31 @@ def cmd_probe(args) -> int:
 
     config = _load(args)
     baseline_path = args.baseline or config.baseline_path()
-    result, run_dir = run_probe(config, args.out, verbose=args.verbose)
+    result, run_dir = run_probe(config, args.out, verbose=args.verbose, fail_fast=_fail_fast_policy(args, baseline_path))
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return int(ExitCode.PASS)
     return gate_run(result, run_dir, baseline_path, force=args.force, record_hint=_record_hint(args),
                     judge_against_baseline=not args.no_judge, audits_only=args.audits_only)
+
+
+def _fail_fast_policy(args: argparse.Namespace, baseline_path: Path) -> Any:
+    """Stop at decisive failures unless --no-fail-fast or --no-judge; spare what the baseline approves.
+
+    A missing or unreadable baseline approves nothing here: the gate reports it after the run.
+    """
+    from healthcheck.artifacts import FailFastPolicy
+    from healthcheck.errors import BaselineError
+    from healthcheck.judge.baseline import load_baseline
+
+    if args.no_fail_fast or args.no_judge:
+        return FailFastPolicy(enabled=False)
+    approved: dict[str, str] = {}
+    if not args.audits_only:
+        try:
+            approved = dict(load_baseline(baseline_path).audits)
+        except BaselineError:
+            pass
+    return FailFastPolicy(approved=approved)
 
 
 def cmd_config(args) -> int:

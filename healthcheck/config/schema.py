@@ -162,7 +162,8 @@ class MetricsConfig(_Section):
     warmup_steps: int = Field(10, ge=0, description="Steps excluded from the window statistics.")
     every: int = Field(1, ge=1, description="Sample the metrics every k-th step.")
     direction: Literal["exact", "sketch"] = Field(
-        "sketch", description="Pairwise cosine: exact Gram matrix, or a count-sketch of sketch_dim dims."
+        "sketch", description="Pairwise cosine: exact Gram matrix, or a folded count sketch of p dims (p the largest "
+        "prime <= sketch_dim that divides no tensor dimension)."
     )
     sketch_dim: int = Field(4096, ge=16, le=1 << 20, description="Sketch dimension k for direction=sketch.")
     param_check_every: int = Field(

@@ -74,7 +74,9 @@ class HealthcheckCallback(TrainerCallback):
                 f"min_window_steps: expected 1 <= min_window_steps <= window_steps, got {min_window_steps} and {window_steps}"
             )
         self.trainer = trainer
-        self.monitor_options: dict[str, Any] = {"direction": direction, "sketch_dim": sketch_dim, "every": every, "seed": seed}
+        # overlap=False: each step's metrics are logged through trainer.log at that step, not one later.
+        self.monitor_options: dict[str, Any] = {"direction": direction, "sketch_dim": sketch_dim, "every": every,
+                                                "seed": seed, "overlap": False}
         self.checks = window_envelopes(envelopes)
         self.stop_on_violation = stop_on_violation
         self.warmup_steps, self.window_steps, self.min_window_steps = warmup_steps, window_steps, min_window_steps

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, RankEvidence, WorkerReport
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.files import read_jsonl
 from healthcheck.judge.audit_outcome import AuditOutcome, not_measured
@@ -45,38 +45,24 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
     if config.script is not None:
         outcomes["data_shards"] = script_shard_audit(per_rank)
     else:
-        consumed = [rank_evidence.consumed for rank_evidence in per_rank]
-        epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
-        train = config.train
-        seed = train.data_seed if train.data_seed is not None else train.seed
-        plan = planned_shards(evidence.plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
-        outcomes["data_shards"] = data_shard_audit(consumed, plan)
+        outcomes["data_shards"] = builtin_shard_audit(config, [e.consumed for e in per_rank], evidence.plan_samples, world)
     outcomes["param_equality"] = param_equality_audit(evidence.param_checks, evidence.param_names, evidence.param_drift)
     if report.ranks:
-        # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy).
-        entropy_seeded = ("python", "numpy") if config.script is not None else ()
-        outcomes["seeds"] = seed_audit([
-            {**{field: getattr(info, field) for field in SEED_FIELDS},
-             "rng_start": rank_evidence.rng.get("rng_start", {}),
-             "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {})}
-            for info, rank_evidence in zip(report.ranks, per_rank, strict=True)
-        ], entropy_seeded=entropy_seeded)
-        outcomes["environment"] = environment_audit([
-            {"versions": info.versions, "env": info.env, "device_name": info.device_name, "precision": info.precision,
-             **rank_evidence.extra}
-            for info, rank_evidence in zip(report.ranks, per_rank, strict=True)
-        ])
-    events = [event.model_dump() for event in nonfinite]
-    outcomes["nonfinite"] = nonfinite_audit(events, world)
+        outcomes["seeds"] = seeds_from_evidence(report.ranks, per_rank, script=config.script is not None)
+        outcomes["environment"] = environment_from_evidence(report.ranks, per_rank)
     rows = list(read_jsonl(Path(run_dir) / STEPS_FILE))
-    # cycle_ms (from the previous gather, a moment all ranks share) when the step has it for every rank:
+    events = [event.model_dump() for event in nonfinite]
+    outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
+    # busy_ms (the monitor's: from the previous all-reduce's end, a moment all ranks share, to this rank's
+    # last gradient bucket) when the step has it for every rank; runs recorded before it have cycle_ms.
     # compute_ms ends at the all-reduce, also shared, so a rank that merely starts late looks fast in it.
+    keys = ("busy_ms", "cycle_ms", "compute_ms")
     timing_by_step: dict[int, dict[str, list[float | None]]] = {}
     for row in rows:
-        row_timing = timing_by_step.setdefault(row["step"], {"cycle_ms": [None] * world, "compute_ms": [None] * world})
-        for key in row_timing:
+        row_timing = timing_by_step.setdefault(row["step"], {key: [None] * world for key in keys})
+        for key in keys:
             row_timing[key][row["rank"]] = row.get(key)
-    compute = {step: t["cycle_ms"] if all(v is not None for v in t["cycle_ms"]) else t["compute_ms"]
+    compute = {step: next((t[key] for key in keys if all(v is not None for v in t[key])), t["compute_ms"])
                for step, t in timing_by_step.items()}
     metrics = config.metrics
     outcomes["stragglers"] = straggler_audit(compute, metrics.straggler_factor, metrics.straggler_max_p)
@@ -89,6 +75,38 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
+
+
+def builtin_shard_audit(config: ProbeConfig, consumed: Sequence[Sequence[tuple[int, list[int]]]], plan_samples: int,
+                        world: int) -> AuditOutcome:
+    """The shard audit of the built-in trainer: what each rank read against torch's DistributedSampler plan
+    with the global config's seed (``consumed[rank]`` is ``(epoch, sample ids)`` per micro-batch)."""
+    epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
+    train = config.train
+    seed = train.data_seed if train.data_seed is not None else train.seed
+    plan = planned_shards(plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
+    return data_shard_audit(consumed, plan)
+
+
+def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence], *, script: bool) -> AuditOutcome:
+    """The seeds audit on every rank's start-up facts and recorded RNG states."""
+    # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy).
+    entropy_seeded = ("python", "numpy") if script else ()
+    return seed_audit([
+        {**{field: getattr(info, field) for field in SEED_FIELDS},
+         "rng_start": rank_evidence.rng.get("rng_start", {}),
+         "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {})}
+        for info, rank_evidence in zip(ranks, per_rank, strict=True)
+    ], entropy_seeded=entropy_seeded)
+
+
+def environment_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence]) -> AuditOutcome:
+    """The environment audit: versions, variables, device name, precision and the recorded extras."""
+    return environment_audit([
+        {"versions": info.versions, "env": info.env, "device_name": info.device_name, "precision": info.precision,
+         **rank_evidence.extra}
+        for info, rank_evidence in zip(ranks, per_rank, strict=True)
+    ])
 
 
 def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:

@@ -12,7 +12,7 @@ rank_outliers) live in :mod:`healthcheck.judge.rank_outliers`, the shard audit i
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from healthcheck.finite import is_finite_number
 from healthcheck.judge.audit_outcome import (
@@ -103,7 +103,7 @@ def param_equality_audit(
             relative distance from the rank-averaged parameters; it says how far and how fast they part.
     """
     if not checks:
-        return AuditOutcome(True, "no parameter check ran", "unchecked", ())
+        return AuditOutcome(True, "not measured: no parameter check ran", "unchecked", (), measured=False)
     world = len(checks[0][1])
     steps = [step for step, _ in checks]
     mismatched = [(step, rows) for step, rows in checks if len({tuple(r) for r in rows}) > 1]
@@ -208,8 +208,13 @@ def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:
 # --------------------------------------------------------------------------- 5. non-finite
 
 
-def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int) -> AuditOutcome:
-    """Fail on the first NaN/Inf loss or local gradient of each rank (``result.nonfinite``)."""
+def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sampled_steps: Optional[int] = None) -> AuditOutcome:
+    """Fail on the first NaN/Inf loss or local gradient of each rank (``result.nonfinite``).
+
+    ``sampled_steps``: how many steps were measured (None: unknown); with none, nothing was checked.
+    """
+    if not events and sampled_steps == 0:
+        return AuditOutcome(True, "not measured: no step was measured", "unchecked", (), measured=False)
     if not events:
         return AuditOutcome(True, f"losses and local gradients stayed finite on {ranks_phrase(range(world_size))} "
                             f"at every sampled step", "finite", ())
@@ -234,8 +239,8 @@ def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> Audit
     """
     checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
     if not checked:
-        return AuditOutcome(True, "reduction numerics not checked (metrics.reduction_check_every is 0 or no finite "
-                            "check step)", "unchecked", ())
+        return AuditOutcome(True, "not measured: reduction numerics not checked (metrics.reduction_check_every is 0 "
+                            "or no finite check step)", "unchecked", (), measured=False)
     worst = max(checked, key=lambda r: r["reduction_bound_ratio"])
     max_error = max(r["reduction_rel_error"] for r in checked)
     details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error,

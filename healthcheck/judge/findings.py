@@ -55,6 +55,9 @@ class Verdict(Record):
     forced: bool = Field(False, description="Compared despite a world-size/device mismatch, because the user forced it.")
     audits_only: bool = Field(False, description="Only the exact audits were judged (--audits-only); no envelope.")
     notes: list[str] = Field(default_factory=list, description="Caveats the reader must see (e.g. forced comparison).")
+    stopped_early: Optional[str] = Field(
+        None, description="'stopped early at step S: <check>' when the probe failed fast; its envelopes were not judged."
+    )
     findings: list[Finding] = Field(default_factory=list)
     config_diff: list[ConfigChange] = Field(default_factory=list)
 

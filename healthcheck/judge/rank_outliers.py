@@ -36,7 +36,7 @@ def straggler_audit(
     too short to show persistence (at max_p 1e-3, fewer than 10 timed steps can never fail).
 
     Args:
-        compute_ms: ``step -> per-rank step time`` (None where missing): the trainer's ``cycle_ms``, else
+        compute_ms: ``step -> per-rank step time`` (None where missing): the monitor's ``busy_ms``, else
             ``compute_ms``.
         factor: Median slowdown that counts, e.g. 1.03 for 3% slower.
         max_p: Sign-test tail probability a straggler's count of slower steps must reach.
@@ -44,7 +44,7 @@ def straggler_audit(
     """
     ratios = straggler_ratios(compute_ms, skip_steps)
     if not ratios or sum(len(v) for v in ratios.values()) == 0:
-        return AuditOutcome(True, "too few timed steps to judge stragglers", "insufficient", ())
+        return AuditOutcome(True, "not measured: too few timed steps to judge stragglers", "insufficient", (), measured=False)
     median_ratio = {r: statistics.median(v) for r, v in ratios.items() if v}
     slower = {r: sum(1 for x in v if x > 1) for r, v in ratios.items()}
     counts = {r: len(v) for r, v in ratios.items()}
@@ -128,7 +128,8 @@ def rank_outlier_audit(per_step: Mapping[int, Mapping[str, Sequence[float | None
                 if len(holders) == 1:
                     counts[holders[0]] += 1
     if not counted:
-        return AuditOutcome(True, "too few sampled steps to compare the ranks", "insufficient", ())
+        return AuditOutcome(True, "not measured: too few sampled steps to compare the ranks", "insufficient", (),
+                            measured=False)
     findings = []
     for (metric, side), counts in hits.items():
         n = counted[metric]

@@ -163,12 +163,32 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
         notes.append(f"forced comparison: {mismatch}; the envelopes may not apply to this layout")
     if baseline.name != result.name:
         notes.append(f"baseline is for probe {baseline.name!r}, this run is probe {result.name!r}")
-    findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
+    findings = []
+    if result.stopped_early is None:
+        findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
     findings += [AuditCheck(name, baseline.audits.get(name)).evaluate(result) for name in sorted(result.audits)]
+    notes += _stopped_early_notes(result, findings, envelopes=len(baseline.envelopes))
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
-    return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff)
+    return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff,
+                           stopped_early=result.stopped_early.headline() if result.stopped_early else None)
+
+
+def _stopped_early_notes(result: RunResult, findings: list[Finding], envelopes: int = 0) -> list[str]:
+    """What a fail-fast stop means for the verdict; appends a failed finding if no audit shows the failure.
+
+    The workers stopped on an audit that failed, and the same evidence fails it again here; the extra
+    finding only guards the exit code, so that a stopped probe never passes.
+    """
+    stop = result.stopped_early
+    if stop is None:
+        return []
+    if all(f.passed for f in findings):
+        findings.append(Finding(check="fail_fast", title="Fail fast", passed=False, message=f"{stop.headline()}: {stop.message}"))
+    skipped = f"its {envelopes} statistical envelopes were not judged" if envelopes else "no statistical envelope was judged"
+    return [f"{stop.headline()} ({result.steps_completed} of {result.steps_planned} steps ran): {skipped} on a truncated "
+            f"window; rerun with --no-fail-fast to see them"]
 
 
 def judge_audits_only(result: RunResult) -> Verdict:
@@ -181,10 +201,12 @@ def judge_audits_only(result: RunResult) -> Verdict:
         raise ProbeFailed(f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); "
                           f"an unfinished probe is not judged")
     notes = ["audits only: no baseline envelope was judged; each audit was judged against its ideal expectation"]
+    findings = [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
+    notes += _stopped_early_notes(result, findings)
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
-    findings = [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
-    return Verdict.collect(findings, notes=notes, audits_only=True)
+    return Verdict.collect(findings, notes=notes, audits_only=True,
+                           stopped_early=result.stopped_early.headline() if result.stopped_early else None)
 
 
 def write_verdict(run_dir: Path | str, verdict: Verdict) -> Path:

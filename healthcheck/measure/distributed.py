@@ -202,6 +202,22 @@ def all_gather_rows(tensor, group=None):
     return out.view(n, flat.numel())
 
 
+def all_gather_rows_async(tensor, group=None):
+    """Start :func:`all_gather_rows` without waiting: ``(work, rows)``; read ``rows`` after ``work.wait()``.
+
+    The caller keeps ``tensor`` alive (and unchanged) until then: the collective reads it in the background.
+    """
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    flat = tensor.reshape(-1).contiguous()
+    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, flat, group=group, async_op=True)
+    return work, out.view(n, flat.numel())
+
+
 def all_reduce_async(tensor, group=None):
     """Start an in-place SUM all-reduce and return its ``torch.futures.Future``."""
     import torch.distributed as dist

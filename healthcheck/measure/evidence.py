@@ -86,10 +86,18 @@ class AuditRecorder:
         return AuditEvidence(
             per_rank=[RankEvidence.model_validate(item) for item in everyone],
             param_checks=self.param_checks,
-            param_names=[name for name, _ in self.model.named_parameters()],
+            param_names=self.param_names(),
             param_drift=self.param_drift,
             plan_samples=plan_samples,
         )
+
+    def param_names(self) -> list[str]:
+        """The hashed tensors' names, in the hash tables' column order."""
+        return [name for name, _ in self.model.named_parameters()]
+
+    def checked_at(self, step: int) -> bool:
+        """Whether a parameter check ran after ``step`` (its table is the last in ``param_checks``)."""
+        return bool(self.param_checks) and self.param_checks[-1][0] == step
 
     def _check_params(self, step: int) -> None:
         import torch

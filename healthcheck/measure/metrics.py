@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from typing import Any, Iterable, Mapping, Sequence
 
 from healthcheck.finite import finite_values, json_safe
@@ -112,9 +111,13 @@ def dispersion(values: Sequence[float] | Any) -> tuple[float, float, float]:
     kept = finite_values(as_floats(values))
     if not kept:
         return NAN, NAN, NAN
-    # statistics.pstdev sums exactly, so identical values give exactly 0 (fsum-then-divide does not).
-    std = statistics.pstdev(kept)
-    return std, max(kept) - min(kept), _safe_div(std, statistics.fmean(kept))
+    low, high = min(kept), max(kept)
+    mean = fsum(kept) / len(kept)
+    # Identical values (every rank read the same data) must give exactly 0, which fsum-then-divide
+    # need not; otherwise a two-pass fsum is as accurate as statistics.pstdev at a fraction of its cost
+    # (pstdev sums in exact fractions: ~0.1 ms per call, every step, on every rank).
+    std = 0.0 if low == high else math.sqrt(fsum((value - mean) ** 2 for value in kept) / len(kept))
+    return std, high - low, _safe_div(std, mean)
 
 
 # --------------------------------------------------------------------------- direction

@@ -15,15 +15,17 @@ step (exact mode adds the chunked gather of the local gradients for the N×N Gra
 converts to Python floats once and hands the numbers to
 :func:`healthcheck.measure.metrics.compute_step_metrics`.
 
-The sketch is :class:`healthcheck.measure.count_sketch.CountSketch` (its module states the error
-bound); the exact Gram and the reduction check are one chunked pass,
+The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module states the error bound:
+std of |Δcos| <= sqrt(2/p), p the sketch's prime width, e.g. 4093 for sketch_dim 4096); the exact
+Gram and the reduction check are one chunked pass,
 :func:`healthcheck.measure.exact_pass.stream_local_gradients`. With ``reduction_every=k`` (a
 multiple of ``every``) every k-th step also keeps each bucket's local gradient and its all-reduced
 result for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and
 ``reduction_bound_ratio``.
 
-Memory: sketch mode caches an int32 bin index per gradient element; exact mode holds a copy of the
-local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel`` elements per gather.
+Memory: sketch mode keeps no per-parameter state (an 8 MB sign table whatever the model); exact mode
+holds a copy of the local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel``
+elements per gather.
 
 Usage (every rank runs the same code)::
 
@@ -36,19 +38,17 @@ Usage (every rank runs the same code)::
 from __future__ import annotations
 
 import functools
-import math
+import time
 from typing import Any, Mapping
 
-from healthcheck.measure import distributed
-from healthcheck.measure.count_sketch import CountSketch
+from healthcheck.measure import distributed, step_gather
 from healthcheck.measure.exact_pass import stream_local_gradients
-from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
+from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.precision import dot_fp32
+from healthcheck.measure.sketch import FoldedSketch
+from healthcheck.measure.step_gather import CLOSE_WAIT_S, InFlight
 
 DIRECTIONS = ("exact", "sketch")
-# Layout of the per-rank vector gathered by end_step, before the extras and the sketch.
-_LOSS, _TOKENS, _SQNORM, _DOT, _MEAN_SQNORM, _NONFINITE, _LOSS_MEASURED = range(7)
-_HEADER = 7
 
 
 class WorkerConsistencyMonitor:
@@ -56,15 +56,17 @@ class WorkerConsistencyMonitor:
 
     Args:
         ddp_model: A ``torch.nn.parallel.DistributedDataParallel`` model; its comm hook is taken.
-        direction: "sketch" (count-sketch pairwise cosines, k floats per rank per step) or
+        direction: "sketch" (folded count-sketch pairwise cosines, ~k floats per rank per step) or
             "exact" (float64 Gram from the full local gradients, gathered in chunks).
-        sketch_dim: k, the sketch width; |Δcos| std ≲ sqrt(2/k).
+        sketch_dim: k, the requested sketch width (a prime <= k is used); |Δcos| std <= sqrt(2/k).
         every: Measure every k-th step. ``end_step`` must still be called on every step; on the
             others the hook does only the plain averaging all-reduce and ``end_step`` returns None.
         seed: Sketch seed; must be the same on every rank.
         exact_chunk_numel: Elements per all-gather when ``direction="exact"`` (and for reduction checks).
         reduction_every: Check the reduction numerics every k-th step (0: never); a multiple of ``every``.
         process_group: Group to reduce and gather over; defaults to the model's.
+        overlap: Gather each step's numbers asynchronously and read them one step later (see
+            :meth:`end_step` and :mod:`healthcheck.measure.step_gather`); False: at once.
 
     Raises:
         TypeError: ``ddp_model`` is not DistributedDataParallel.
@@ -82,6 +84,7 @@ class WorkerConsistencyMonitor:
         exact_chunk_numel: int = 2**22,
         reduction_every: int = 0,
         process_group: Any = None,
+        overlap: bool = True,
     ):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -106,8 +109,14 @@ class WorkerConsistencyMonitor:
         self.reduction_every = reduction_every
         self._group = process_group if process_group is not None else ddp_model.process_group
         self._world = distributed.world_size(self._group)
+        self._rank = distributed.rank(self._group)
         self._step = 0
         self._closed = False
+        self.overlap = overlap
+        self._inflight: InFlight | None = None
+        #: When this rank's latest gradient bucket was ready, and when the previous step's reduction ended.
+        self._arrived: float | None = None
+        self._released: float | None = None
         # Per-bucket partial results of the current step, keyed by bucket.index(). Each key is
         # written by exactly one hook call or callback (possibly on a comm thread), so no
         # shared tensor is ever accumulated into concurrently.
@@ -117,7 +126,9 @@ class WorkerConsistencyMonitor:
         self._sketch: dict[int, Any] = {}
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
-        self._count_sketch = CountSketch(sketch_dim, seed)
+        # The prime the sketch folds onto divides no tensor dimension of this model (same on every rank).
+        self._sketcher = (FoldedSketch(sketch_dim, seed, dims=[d for p in ddp_model.parameters() for d in p.shape])
+                          if direction == "sketch" else None)
         ddp_model.register_comm_hook(state=self, hook=_consistency_hook)
 
     # ----------------------------------------------------------------------- hook side
@@ -130,6 +141,7 @@ class WorkerConsistencyMonitor:
         return not self._closed and self.reduction_every > 0 and step % self.reduction_every == 0
 
     def _reduce_bucket(self, bucket: Any) -> Any:
+        self._arrived = time.perf_counter()  # the last bucket of a step marks the end of its backward compute
         buffer = bucket.buffer()
         if not self._sampling():
             return _plain_average(buffer, self._world, self._group)
@@ -146,13 +158,17 @@ class WorkerConsistencyMonitor:
             self._local_copy[index] = buffer.clone()
         if self.direction == "exact":
             return future.then(functools.partial(self._keep_reduced, index))
-        self._sketch[index] = self._count_sketch(index, buffer)
+        assert self._sketcher is not None
+        self._sketch[index] = self._sketcher(index, buffer)
         return future.then(functools.partial(self._after_reduce, index, buffer))
 
     def _after_reduce(self, index: int, local: Any, future: Any) -> Any:
         reduced = self._keep_reduced(index, future)
         self._dot[index] = dot_fp32(local, reduced)
-        self._mean_sqnorm[index] = dot_fp32(reduced, reduced)
+        # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
+        width = -(-reduced.numel() // self._world)
+        own = reduced[self._rank * width : (self._rank + 1) * width]
+        self._mean_sqnorm[index] = dot_fp32(own, own)
         return reduced  # DDP copies the returned tensor into the gradients
 
     def _keep_reduced(self, index: int, future: Any) -> Any:
@@ -164,10 +180,13 @@ class WorkerConsistencyMonitor:
     # ----------------------------------------------------------------------- step side
 
     def end_step(self, loss: Any, tokens: Any = None, extras: Mapping[str, Any] | None = None) -> StepMetrics | None:
-        """Gather this step's measurements from every rank and compute the metrics.
+        """Start gathering this step's measurements from every rank; return the previous sampled step's metrics.
 
         A collective: every rank calls it once per optimizer step, after the synchronising
-        backward and before ``optimizer.step()``.
+        backward and before ``optimizer.step()``. With ``overlap`` (the default) the gather runs
+        while the next step computes, so this returns the metrics of the previous sampled step
+        (``StepMetrics.step`` says which), None at the first; :meth:`flush` returns the last one.
+        Without ``overlap`` it returns this step's metrics.
 
         Args:
             loss: This rank's loss (0-d tensor or float), e.g. the response-token-weighted mean; None when
@@ -176,96 +195,85 @@ class WorkerConsistencyMonitor:
                 noise scale is in tokens when every rank gives one, else in batches.
             extras: Per-rank scalars to gather in the same collective (same keys on every rank).
 
-        Returns:
-            The step's :class:`StepMetrics`, or None on a step that is not sampled.
-
         Raises:
             RuntimeError: The monitor is closed, or no bucket went through the hook this step.
         """
         if self._closed:
             raise RuntimeError("WorkerConsistencyMonitor.end_step called after close()")
+        released, previous_release = time.perf_counter(), self._released
+        self._released = released
         step = self._step
         self._step += 1
         if step % self.every != 0:
+            self._clear_partials()
             return None
         if not self._sqnorm:
             raise RuntimeError(
                 "WorkerConsistencyMonitor.end_step: no gradient bucket went through the hook this step; "
                 "call it after the synchronising backward (outside no_sync) and before the next forward"
             )
+        extras = dict(extras or {})
+        if previous_release is not None and self._arrived is not None:
+            # From the end of the previous all-reduce (a moment every rank shares) to this rank's last
+            # gradient bucket: the rank's own work, without the waiting at the collectives.
+            extras.setdefault("busy_ms", (self._arrived - previous_release) * 1000)
         try:
-            return self._measure(step, loss, tokens, dict(extras or {}))
+            inflight = self._launch(step, loss, tokens, extras)
         finally:
             self._clear_partials()
+        if not self.overlap:
+            return step_gather.complete(inflight)
+        previous, self._inflight = self._inflight, inflight
+        return step_gather.complete(previous) if previous is not None else None
 
-    def _measure(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> StepMetrics:
+    def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
+        """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
+
+        Every rank calls it once after the last ``end_step`` (it only waits: no new collective). On a
+        failure path pass ``timeout_s``: a gather that has not finished by then (a peer died before
+        contributing) is dropped and None returned, instead of waiting for the process group's timeout.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        if timeout_s is not None and not step_gather.finished_within(inflight, timeout_s):
+            return None
+        return step_gather.complete(inflight)
+
+    def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
+        """This rank's pieces of the step, gathered (asynchronously with ``overlap``)."""
         import torch
 
         indices = sorted(self._sqnorm)
         device = self._sqnorm[indices[0]].device
         checking = self._checking_reduction(step)
-        exact = self.direction == "exact"
-        exact_gram = None
-        if checking:
-            # The reduction extras only exist after the pass over the gradients, so the header
-            # waits for them and takes its own gather on these (sampled-of-sampled) steps.
-            exact_gram, reduction = self._stream(indices, gram=exact, reduction=True)
-            extras.update(reduction)
-        names = sorted(extras)
-
-        def scalar(value: Any) -> Any:
-            value = float("nan") if value is None else value
-            return torch.as_tensor(value).detach().reshape(()).to(device=device, dtype=torch.float64)
-
-        loss_value = scalar(loss)
         sqnorm = _sum_partials(self._sqnorm, indices)
         if self.direction == "sketch":
-            dot, mean_sqnorm = _sum_partials(self._dot, indices), _sum_partials(self._mean_sqnorm, indices)
-        else:  # read off the float64 Gram below instead
-            dot = mean_sqnorm = torch.zeros((), dtype=torch.float64, device=device)
-        loss_measured = scalar(0.0 if loss is None else 1.0)
-        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
-        nonfinite = ((loss_measured > 0) & ~torch.isfinite(loss_value) | ~torch.isfinite(sqnorm)).to(torch.float64)
-        header = [loss_value, scalar(tokens), sqnorm, dot, mean_sqnorm, nonfinite, loss_measured]
-        parts = [torch.stack(header + [scalar(extras[name]) for name in names])]
-        if exact and not checking:
-            exact_gram, fused = self._stream(indices, gram=True, reduction=False, header=parts[0])
-            rows = fused["header_rows"]
-        else:
-            if self.direction == "sketch":
-                parts.append(torch.stack([self._sketch[i] for i in indices]).sum(0).to(torch.float64))
-            rows = distributed.all_gather_rows(torch.cat(parts), self._group)
-        width = _HEADER + len(names)
-        if self.direction == "sketch":
-            sketches = rows[:, width:]
-            gram = sketches @ sketches.T
-        else:
-            gram = exact_gram
-        # The one host sync of the step.
-        values = rows[:, :width].cpu().tolist()
-        gram_rows = gram.cpu().tolist()
-        column = lambda j: [row[j] for row in values]  # noqa: E731
-        if self.direction == "exact":
-            sqnorms, dots, mean_sq = gram_statistics(gram_rows)
-        else:
-            sqnorms, dots = column(_SQNORM), column(_DOT)
-            # Identical on every rank (it is the all-reduced mean); averaging guards nothing but rounding.
-            mean_sq = fsum(column(_MEAN_SQNORM)) / self._world
-        tokens_column = column(_TOKENS)
-        return compute_step_metrics(
-            step=step,
-            direction=self.direction,
-            per_rank_loss=column(_LOSS),
-            per_rank_sqnorm=sqnorms,
-            dots_with_mean=dots,
-            mean_sqnorm=mean_sq,
-            gram=gram_rows,
-            per_rank_tokens=None if any(math.isnan(t) for t in tokens_column) else tokens_column,
-            nonfinite_flags=[flag != 0 for flag in column(_NONFINITE)],
-            loss_measured=[flag != 0 for flag in column(_LOSS_MEASURED)],
-            per_rank_extras={name: column(_HEADER + j) for j, name in enumerate(names)},
-            buckets=len(indices),
-        )
+            if checking:
+                _, reduction = self._stream(indices, gram=False, reduction=True)
+                extras.update(reduction)
+            return step_gather.launch(
+                step=step, direction=self.direction, group=self._group, world=self._world, loss=loss, tokens=tokens,
+                sqnorm=sqnorm, dot=_sum_partials(self._dot, indices), mean_sqnorm=_sum_partials(self._mean_sqnorm, indices),
+                extras=extras, sketch=_sum_sketches(self._sketch, indices), buckets=len(indices),
+                overlap=self.overlap,
+            )
+        # Exact mode gathers every rank's local gradient in chunks: synchronous by design, so memory
+        # stays bounded (N x exact_chunk_numel), and the step's header rides on the last chunk.
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        if checking:  # the reduction extras exist only after the pass, so the header takes its own gather
+            gram, reduction = self._stream(indices, gram=True, reduction=True)
+            extras.update(reduction)
+            return step_gather.launch(
+                step=step, direction=self.direction, group=self._group, world=self._world, loss=loss, tokens=tokens,
+                sqnorm=sqnorm, dot=zero, mean_sqnorm=zero, extras=extras, gram=gram, buckets=len(indices),
+                overlap=self.overlap,
+            )
+        header, names = step_gather.pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=zero, mean_sqnorm=zero,
+                                         extras=extras)
+        gram, fused = self._stream(indices, gram=True, reduction=False, header=header)
+        return step_gather.gathered(step=step, direction=self.direction, world=self._world, rows=fused["header_rows"],
+                                    names=names, gram=gram, buckets=len(indices))
 
     def _stream(self, indices: list[int], *, gram: bool, reduction: bool, header: Any = None) -> tuple[Any, dict]:
         """The chunked exact pass over this step's kept local gradients (and reduced results)."""
@@ -285,13 +293,21 @@ class WorkerConsistencyMonitor:
     def close(self) -> None:
         """Stop measuring; gradients are then averaged exactly as by DDP's default all-reduce.
 
+        A step still in flight is dropped: call :meth:`flush` first to keep its metrics. Its collective
+        is waited for (at most ``CLOSE_WAIT_S``: on a failure path a peer may never contribute).
+
         DDP has no public way to unregister a communication hook (a second
         ``register_comm_hook`` raises), so the hook stays registered and, once closed, does only
         the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does.
         """
+        if self._inflight is not None:
+            # Let a healthy collective finish writing; the work object keeps its buffers alive otherwise.
+            step_gather.finished_within(self._inflight, CLOSE_WAIT_S)
+        self._inflight = None
         self._closed = True
         self._clear_partials()
-        self._count_sketch.clear()
+        if self._sketcher is not None:
+            self._sketcher.clear()
 
     def __enter__(self) -> WorkerConsistencyMonitor:
         return self
@@ -330,4 +346,12 @@ def _sum_partials(partials: dict[int, Any], indices: list[int]) -> Any:
     if missing:
         raise RuntimeError(f"WorkerConsistencyMonitor: buckets {missing} produced no result this step")
     # Summed in float64: the per-bucket values are fp32 but there is no reason to lose more.
-    return torch.stack([partials[i].to(torch.float64) for i in indices]).sum()
+    return torch.stack([partials[i] for i in indices]).to(torch.float64).sum()
+
+
+def _sum_sketches(sketches: dict[int, Any], indices: list[int]) -> Any:
+    """The model's sketch: the buckets' sketches add up (the sketch is linear)."""
+    total = sketches[indices[0]].clone()
+    for index in indices[1:]:
+        total += sketches[index]
+    return total

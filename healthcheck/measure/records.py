@@ -16,7 +16,7 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
     world = len(data["per_rank_loss"])
     extras = data.get("per_rank_extras") or {}
     compute = extras.get("compute_ms") or [None] * world
-    cycle = extras.get("cycle_ms") or [None] * world
+    busy = extras.get("busy_ms") or [None] * world
     tokens = data.get("per_rank_tokens") or [None] * world
     return [
         {
@@ -27,7 +27,7 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
             "grad_norm": data["per_rank_grad_norm"][rank],
             "cosine_to_mean": data["cosine_to_mean"][rank],
             "compute_ms": compute[rank],
-            "cycle_ms": cycle[rank],
+            "busy_ms": busy[rank],
         }
         for rank, loss in enumerate(data["per_rank_loss"])
     ]

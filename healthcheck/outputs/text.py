@@ -34,7 +34,8 @@ def verdict_headline(verdict: Optional[Verdict], status: str, failure: Optional[
     unmeasured = sum(1 for f in verdict.findings if not f.measured)
     scope = " (audits only: no envelope was judged)" if verdict.audits_only else ""
     if verdict.status == "fail":
-        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed{scope}", "fail"
+        early = f" ({verdict.stopped_early})" if verdict.stopped_early else ""
+        return "FAIL", f"silent inconsistency: {failed} of {total} checks failed{scope}{early}", "fail"
     judged = f"{total - unmeasured} checks" + (f" ({unmeasured} not measured)" if unmeasured else "")
     if verdict.audits_only:
         return "PASS", f"all {judged} meet their ideal expectations{scope}", "pass"

@@ -264,6 +264,32 @@ class MicroBatches:
         self.epoch = 0
         self._iterator: Iterator[dict[str, Any]] = iter(self.loader)
 
+    def planned_reads(self, micro_batches: int) -> list[tuple[int, list[int]]]:
+        """``(epoch, sample ids)`` of this rank's first ``micro_batches`` micro-batches, read off its sampler's
+        plan: what :meth:`next` will return from a fresh start, epoch boundaries included. Nothing is consumed;
+        the fail-fast shard check judges these before the first step.
+        """
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler, size = self.sampler, self.loader.batch_size
+        samples = self.loader.dataset.samples
+        reads: list[tuple[int, list[int]]] = []
+        epoch = 0
+        while len(reads) < micro_batches:
+            twin: Any = DistributedSampler(
+                range(len(samples)),  # type: ignore[arg-type]  # any sized sequence works
+                num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=sampler.shuffle, seed=sampler.seed,
+                drop_last=sampler.drop_last,
+            )
+            twin.set_epoch(epoch if self.call_set_epoch else 0)
+            order = list(twin)
+            for start in range(0, len(order) - size + 1, size):
+                if len(reads) == micro_batches:
+                    break
+                reads.append((epoch, [samples[index].sample_id for index in order[start : start + size]]))
+            epoch += 1
+        return reads
+
     def next(self) -> dict[str, Any]:
         try:
             return next(self._iterator)

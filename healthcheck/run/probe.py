@@ -17,6 +17,7 @@ from typing import Literal, Optional
 from healthcheck.artifacts import (
     CONFIG_FILE,
     Environment,
+    FailFastPolicy,
     RunResult,
     Timing,
     WorkerReport,
@@ -85,23 +86,30 @@ def warm_parent_caches(config: ProbeConfig) -> None:
         MODEL_FOR_CAUSAL_LM_MAPPING[type(PRESETS[config.model.name][1](len(tokenizer), 1024))]
 
 
-def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool = False) -> tuple[RunResult | None, Path]:
+def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool = False,
+              fail_fast: Optional[FailFastPolicy] = None) -> tuple[RunResult | None, Path]:
     """Run the probe and return ``(result, run_dir)``; ``result`` is None on non-zero ranks under torchrun.
 
     A crash, hang or interrupt still returns: the result is marked incomplete or interrupted, names
     the rank and step, and keeps every row written so far. The gate turns it into exit 3.
+    ``fail_fast``: stop at the first decisive audit failure (``healthcheck probe`` passes one unless
+    ``--no-fail-fast``); None runs every step, as a baseline recording must.
     """
+    fail_fast_json = fail_fast.model_dump_json() if fail_fast is not None else None
     started_wall = time.time()
     started_at = utc_now()
     preflight(config)
     if hdist.launched_externally():
-        return _run_as_worker(config, run_dir, started_wall, started_at)
+        return _run_as_worker(config, run_dir, started_wall, started_at, fail_fast_json)
 
     run_dir = prepare_run_dir(run_dir or default_run_dir(config.name))
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(config))
     write_result(run_dir, build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
                                        report=None, status="running"))
+    prepared = time.time()
     warm_parent_caches(config)
+    # Launcher-side phases; the workers add theirs (spawn is what is left of their "launch").
+    launcher_phases = {"preflight": prepared - started_wall, "imports_and_caches": time.time() - prepared}
     timeout_s = config.distributed.timeout_s
     # The watchdog ends a stalled probe at timeout_s and can name the stuck rank; the process
     # group's own timeout comes later so that it does not pre-empt the watchdog with a vaguer error.
@@ -110,7 +118,7 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool
         while True:
             attempts += 1
             args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts,
-                    not verbose)
+                    not verbose, fail_fast_json)
             progress = HeartbeatProgress(config.name, config.train.steps)
             watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s,
                                 startup_timeout_s=config.distributed.startup_timeout_s, on_poll=progress.update)
@@ -145,7 +153,7 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool
                               report=None, status="interrupted", failure="interrupted by a signal or Ctrl-C")
     else:
         result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
-                              report=reports.get(0), status="complete")
+                              report=reports.get(0), status="complete", launcher_phases=launcher_phases)
     progress.close()  # the progress line ends before the report prints
     result.timing.launch_attempts = attempts
     write_result(run_dir, result)
@@ -178,7 +186,7 @@ def _agree_on_run_dir(config: ProbeConfig, run_dir: Optional[Path]) -> str:
 
 
 def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: float,
-                   started_at: str) -> tuple[Optional[RunResult], Path]:
+                   started_at: str, fail_fast_json: Optional[str]) -> tuple[Optional[RunResult], Path]:
     """Under torchrun: every process is one worker; rank 0 picks the run directory and writes the result.
 
     A --script probe leaves the process group to the script (it calls init_process_group itself), so
@@ -191,7 +199,8 @@ def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: f
             chosen_box.append(_agree_on_run_dir(config, run_dir))
             return chosen_box[-1]
 
-        report = script_worker(config.model_dump_json(), None, started_wall, choose_run_dir=choose)
+        report = script_worker(config.model_dump_json(), None, started_wall, fail_fast_json=fail_fast_json,
+                               choose_run_dir=choose)
         if not chosen_box:
             raise InvalidInput("the script never created a process group (torch.distributed.init_process_group)")
         run_path = Path(chosen_box[-1])
@@ -200,7 +209,7 @@ def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: f
         backend = hdist.resolve_backend(config.distributed.backend, device_type)
         hdist.init_distributed(device_type, backend, config.distributed.timeout_s)
         run_path = Path(_agree_on_run_dir(config, run_dir))
-        report = probe_worker(config.model_dump_json(), str(run_path), started_wall)
+        report = probe_worker(config.model_dump_json(), str(run_path), started_wall, fail_fast_json=fail_fast_json)
     if hdist.get_dist_info().rank != 0:
         return None, run_path
     result = build_result(config=config, run_dir=run_path, started_at=started_at, started_wall=started_wall,
@@ -236,13 +245,12 @@ def build_result(
     report: Optional[WorkerReport],
     status: Status,
     failure: Optional[str] = None,
+    launcher_phases: Optional[dict[str, float]] = None,
 ) -> RunResult:
     """result.json from the step files written so far plus rank 0's report (when the workers finished)."""
     window_start = config.metrics.warmup_steps
     summary = summarize_run(run_dir, window_start)
     steps_completed = report.steps_completed if report else summary["last_step"] + 1
-    if report and report.stopped_early:
-        failure = report.stopped_early
     running = status == "running"
     timing = Timing(
         started_at=started_at,
@@ -251,6 +259,7 @@ def build_result(
         startup_s=report.startup_s if report else None,
         train_s=report.train_s if report else None,
         mean_step_ms=report.train_s / report.steps_completed * 1000 if report and report.steps_completed else None,
+        phases=_phases(launcher_phases or {}, report.phases if report else {}),
     )
     return RunResult(
         name=config.name,
@@ -270,7 +279,23 @@ def build_result(
         nonfinite=summary["nonfinite"],
         audits=run_audits(config, report, run_dir, summary["nonfinite"]) if report else {},
         loss_note=_loss_note(report),
+        stopped_early=report.stopped_early if report else None,
     )
+
+
+def _phases(launcher: dict[str, float], worker: dict[str, float]) -> dict[str, float]:
+    """The launcher's phases, then the workers': their ``launch`` (command start to worker entry) minus
+    what the launcher accounts for is ``spawn``, the elastic launcher starting the processes.
+
+    >>> _phases({"preflight": 0.5, "imports_and_caches": 4.0}, {"launch": 5.0, "rendezvous": 0.1})
+    {'preflight': 0.5, 'imports_and_caches': 4.0, 'spawn': 0.5, 'rendezvous': 0.1}
+    """
+    phases = dict(launcher)
+    rest = dict(worker)
+    launch = rest.pop("launch", None)
+    if launch is not None:
+        phases["spawn" if launcher else "launch"] = max(0.0, launch - sum(launcher.values()))
+    return {**phases, **rest}
 
 
 def _loss_note(report: Optional[WorkerReport]) -> Optional[str]:

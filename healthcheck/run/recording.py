@@ -34,6 +34,10 @@ def run_repeats(
         assert result is not None
         if result.status != "complete":
             raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {result.status}: {result.failure}; artifacts in {run_dir}")
+        if result.stopped_early is not None:  # an envelope is never fitted from a truncated window
+            stop = result.stopped_early
+            raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {stop.headline()}: {stop.message}; "
+                              f"artifacts in {run_dir}")
         print(f"  run {index + 1}/{repeats}: seed {seed} -> {run_dir} ({result.status})", flush=True)
         results.append(result)
         run_dirs.append(run_dir)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, WorkerReport
+from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, FailFastPolicy, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.files import JsonlWriter
 from healthcheck.integrations.script.session import ProbeComplete, ScriptSession, SessionHooks
@@ -34,19 +34,21 @@ class ScriptEnded(RuntimeError):
 
 
 def script_worker(config_json: str, run_dir: Optional[str], started_at: float, pg_timeout_s: Optional[float] = None,
-                  launch_attempt: int = 1, quiet_console: bool = False,
+                  launch_attempt: int = 1, quiet_console: bool = False, fail_fast_json: Optional[str] = None,
                   choose_run_dir: Optional[Callable[[], str]] = None) -> Optional[WorkerReport]:
     """Run the config's script on this rank; rank 0 returns the run's report.
 
     ``run_dir`` is known up front under healthcheck's own launcher; under torchrun it is None and
     ``choose_run_dir`` agrees on one (a collective) once the script has created its process group.
-    ``quiet_console`` sends the script's output to its log in the run directory.
+    ``quiet_console`` sends the script's output to its log in the run directory. ``fail_fast_json``: a
+    :class:`~healthcheck.artifacts.FailFastPolicy` (None: run every step).
     """
     config = ProbeConfig.model_validate_json(config_json)
     if quiet_console and run_dir:
         redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
+    policy = FailFastPolicy.model_validate_json(fail_fast_json) if fail_fast_json else None
     worker = _ScriptRun(config, Path(run_dir) if run_dir else None, started_at, choose_run_dir,
-                        show_progress=not quiet_console)
+                        show_progress=not quiet_console, fail_fast=policy)
     try:
         return worker.run(launch_attempt)
     except BaseException as exc:
@@ -57,8 +59,9 @@ def script_worker(config_json: str, run_dir: Optional[str], started_at: float, p
 
 class _ScriptRun:
     def __init__(self, config: ProbeConfig, run_dir: Optional[Path], started_at: float,
-                 choose_run_dir: Optional[Callable[[], str]], show_progress: bool):
+                 choose_run_dir: Optional[Callable[[], str]], show_progress: bool, fail_fast: Optional[FailFastPolicy]):
         self.config, self.run_dir, self.started_at = config, run_dir, started_at
+        self.fail_fast = fail_fast
         self.show_progress = show_progress
         self.choose_run_dir = choose_run_dir
         self.rank = hdist.get_dist_info().rank
@@ -75,10 +78,10 @@ class _ScriptRun:
             self.heartbeat = Heartbeat(self.run_dir, self.rank)
             self.heartbeat.beat(-1, "script")
         hdist.set_worker_threads(hdist.get_dist_info().local_world_size)
-        hooks = SessionHooks(beat=self._beat, at_step_start=self._at_step_start, on_metrics=self._on_metrics,
-                             on_process_group=self._on_process_group,
+        hooks = SessionHooks(beat=self._beat, at_step_start=self._at_step_start, after_step=self._after_step,
+                             on_metrics=self._on_metrics, on_process_group=self._on_process_group,
                              install_faults=lambda module: install_faults(module, self.rank_config.faults))
-        session = ScriptSession(self.config, hooks, self.started_at)
+        session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
         path = Path(self.config.script.path)
         argv = self.config.script.argv(self.config.train.seed)
         saved_argv, saved_path = list(sys.argv), list(sys.path)
@@ -120,6 +123,9 @@ class _ScriptRun:
 
     def _at_step_start(self, step: int) -> None:
         at_step_start(self.rank_config.faults, step)
+
+    def _after_step(self, step: int) -> None:
+        # Between the optimizer step and the next forward: part of this rank's own work.
         if self.rank_config.faults.step_sleep_ms:
             time.sleep(self.rank_config.faults.step_sleep_ms / 1000)
 

@@ -17,9 +17,12 @@ from typing import Any, Callable, Optional
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE
 from healthcheck.config import ProbeConfig
 from healthcheck.files import JsonlWriter
+from healthcheck.judge.exact_audits import param_equality_audit
+from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure.distributed import DistInfo
 from healthcheck.measure.evidence import AuditRecorder
 from healthcheck.measure.records import aggregate_row, rank_rows
+from healthcheck.measure.step_gather import CLOSE_WAIT_S
 from healthcheck.run.data import IGNORE_INDEX, MicroBatches
 from healthcheck.run.faults import at_step_start as faults_at_step_start
 from healthcheck.run.progress import StepProgress
@@ -123,6 +126,8 @@ class TrainLoop:
         run_dir: Where rank 0 writes the rows.
         heartbeat: The watchdog's view of this rank's progress.
         audit: The exact audits' recorder, or None.
+        fail_fast: The stop decision: a non-finite value always stops the loop; a decisive audit failure
+            (a parameter-hash mismatch) stops it when fail fast is on.
         step_marker: ``{"step": s}``, the step in progress, for a crash report.
         show_progress: Whether rank 0 prints the progress line itself.
     """
@@ -139,14 +144,14 @@ class TrainLoop:
     run_dir: Path
     heartbeat: Heartbeat
     audit: Optional[AuditRecorder] = None
+    fail_fast: FailFast = dataclasses.field(default_factory=FailFast)
     step_marker: dict[str, Optional[int]] = dataclasses.field(default_factory=lambda: {"step": None})
     #: Rank 0 prints its own progress line only when no launcher of ours shows one (under torchrun).
     show_progress: bool = True
     steps_completed: int = 0
-    stopped_early: Optional[str] = None
     train_s: float = 0.0
-    #: When this rank left the previous step's metrics gather (None before the first).
-    last_sync_s: Optional[float] = None
+    #: The learning rate of each step whose metrics have not arrived yet (they arrive a step late).
+    pending_lr: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def run(self) -> None:
         writers = None
@@ -158,16 +163,18 @@ class TrainLoop:
         try:
             for step in range(self.config.train.steps):
                 self.step_marker["step"] = step
+                self.pending_lr[step] = self.scheduler.get_last_lr()[0]
                 metrics = self.step(step)
                 self.steps_completed = step + 1
-                if writers is not None and metrics is not None:
-                    write_rows(writers, step, metrics, self.scheduler.get_last_lr()[0])
                 if progress is not None:
                     progress.advance(step + 1)
-                if metrics is not None and metrics.nonfinite_ranks:
-                    # Every rank sees the same gathered metrics, so all stop at the same step.
-                    self.stopped_early = f"non-finite loss or gradient on rank(s) {metrics.nonfinite_ranks} at step {step}"
+                self._record(metrics, writers)
+                if self.fail_fast.stop is not None:
                     break
+            self._record(self.monitor.flush(), writers)  # the last step's gather, still in flight
+        except BaseException:
+            self._salvage(writers)
+            raise
         finally:
             self.train_s = time.perf_counter() - start
             if progress is not None:
@@ -176,12 +183,36 @@ class TrainLoop:
                 for writer in writers:
                     writer.close()
 
+    def _salvage(self, writers: Optional[tuple[JsonlWriter, JsonlWriter]]) -> None:
+        """On a failure: keep the last completed step's rows when its gather finishes within a bounded wait
+        (every rank launched it before the failure, unless a peer died before contributing)."""
+        try:
+            metrics = self.monitor.flush(timeout_s=CLOSE_WAIT_S)
+        except Exception:  # the gather itself failed with its peer: nothing to keep
+            return
+        if metrics is not None and writers is not None:
+            write_rows(writers, metrics.step, metrics, self.pending_lr.pop(metrics.step, None))
+
+    def _record(self, metrics: Any, writers: Optional[tuple[JsonlWriter, JsonlWriter]]) -> None:
+        """Write a step's rows (rank 0); a non-finite loss or gradient stops the loop.
+
+        Every rank sees the same gathered metrics, so all of them stop after the same step.
+        """
+        if metrics is None:
+            return
+        lr = self.pending_lr.pop(metrics.step, None)
+        if writers is not None:
+            write_rows(writers, metrics.step, metrics, lr)
+        self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
+
     def step(self, step: int) -> Any:
-        """One optimizer step; the gathered StepMetrics on sampled steps, else None."""
+        """One optimizer step; the StepMetrics of the previous sampled step (they arrive a step late), or None."""
         train, faults = self.rank_config.train, self.rank_config.faults
         self.heartbeat.beat(step, "compute")
         faults_at_step_start(faults, step)
         t0 = time.perf_counter()
+        if faults.step_sleep_ms:  # a straggler: slower in its own work, before it reaches the all-reduce
+            time.sleep(faults.step_sleep_ms / 1000)
         micro = []
         for _ in range(train.grad_accum_steps):
             micro.append(self.batches.next())
@@ -191,25 +222,21 @@ class TrainLoop:
             self.ddp, micro, self.device, precision=train.precision, loss_scale=train.loss_scale,
             poison=faults.nan_at_step == step, before_last_backward=lambda: self.heartbeat.beat(step, "backward"),
         )
-        if faults.step_sleep_ms:
-            time.sleep(faults.step_sleep_ms / 1000)
         _sync(self.device)
-        compute_done = time.perf_counter()
-        extras = {"compute_ms": (compute_done - t0) * 1000}
-        if self.last_sync_s is not None:
-            # compute_ms ends when DDP's all-reduce completes, a moment all ranks share, so a rank that
-            # starts late looks fast for the whole run. Timed from the previous gather (also shared),
-            # the cycle has no such bias: ranks differ only by their own work (the stragglers audit).
-            extras["cycle_ms"] = (compute_done - self.last_sync_s) * 1000
+        # Until DDP's last all-reduce completed: a moment all ranks share, so it includes the wait for
+        # the slowest. The stragglers audit uses the monitor's busy_ms, which excludes that wait.
+        extras = {"compute_ms": (time.perf_counter() - t0) * 1000}
         self.heartbeat.beat(step, "sync")
         metrics = self.monitor.end_step(local_loss, tokens=tokens, extras=extras)
-        self.last_sync_s = time.perf_counter() if metrics is not None else None
         self.heartbeat.beat(step, "optimizer")
         apply_update(self.ddp, self.optimizer, self.scheduler, max_grad_norm=train.max_grad_norm)
         if self.audit is not None:
             if step == 0:
                 self.audit.record_rng("rng_after_first_step", self.device)
             self.audit.after_optimizer_step(step)  # collective on parameter-check steps
+            if self.audit.checked_at(step):  # every rank holds the same hash table: the same decision
+                self.fail_fast.judge(step, {"param_equality": param_equality_audit(
+                    self.audit.param_checks, self.audit.param_names(), self.audit.param_drift)})
         return metrics
 
 

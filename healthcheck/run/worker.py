@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from healthcheck.artifacts import RankInfo, WorkerReport
+from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.errors import InvalidInput
+from healthcheck.judge.assemble import builtin_shard_audit, environment_from_evidence, seeds_from_evidence
+from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
@@ -30,6 +32,39 @@ from healthcheck.run.faults import install_faults
 from healthcheck.run.modeling import build_model, load_tokenizer
 from healthcheck.run.trainer import TrainLoop
 from healthcheck.run.watchdog import Heartbeat
+
+
+class PhaseClock:
+    """Wall seconds per named phase on this worker (``Timing.phases``): each :meth:`lap` closes one."""
+
+    def __init__(self, start: float, phases: Optional[dict[str, float]] = None):
+        self.last = start
+        self.phases = dict(phases or {})
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.phases[name] = now - self.last
+        self.last = now
+
+
+def start_checks(fail_fast: FailFast, config: ProbeConfig, ranks: list[RankInfo], audit: AuditRecorder,
+                 batches: MicroBatches, plan_samples: int, grad_accum_steps: int) -> None:
+    """Collective, before the first step: judge seeds, environment and the data shards on what is already known.
+
+    The shards are judged on each rank's sampler plan for the whole probe (what it *will* read), so an
+    overlap stops the probe before a single step. When it does, that plan becomes the shard evidence, and
+    the final audit reports the same failure.
+    """
+    reads = batches.planned_reads(config.train.steps * grad_accum_steps)
+    mine = RankEvidence(consumed=reads, rng=audit.rng, extra=audit.extra)
+    everyone = [RankEvidence.model_validate(item) for item in hdist.all_gather_objects(mine.model_dump())]
+    fail_fast.judge(0, {
+        "data_shards": builtin_shard_audit(config, [e.consumed for e in everyone], plan_samples, len(ranks)),
+        "seeds": seeds_from_evidence(ranks, everyone, script=False),
+        "environment": environment_from_evidence(ranks, everyone),
+    })
+    if fail_fast.stop is not None and fail_fast.stop.check == "data_shards":
+        audit.consumed = reads
 
 
 def seed_everything(seed: int) -> dict[str, int]:
@@ -61,25 +96,32 @@ def lr_lambda(warmup_steps: int) -> Callable[[int], float]:
 
 
 def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: Optional[float] = None,
-                 launch_attempt: int = 1, quiet_console: bool = False) -> Optional[WorkerReport]:
+                 launch_attempt: int = 1, quiet_console: bool = False,
+                 fail_fast_json: Optional[str] = None) -> Optional[WorkerReport]:
     """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's report.
 
     ``quiet_console``: under healthcheck's own launcher, this worker's output goes to its log in the run
     directory and the launcher shows the progress (see :mod:`healthcheck.run.console`).
+    ``fail_fast_json``: a :class:`~healthcheck.artifacts.FailFastPolicy`; None runs every step (a
+    non-finite value still stops the run).
     """
+    entered = time.time()
     config = ProbeConfig.model_validate_json(config_json)
+    policy = FailFastPolicy.model_validate_json(fail_fast_json) if fail_fast_json else None
     step_marker: dict[str, Optional[int]] = {"step": None}
     if quiet_console:
         redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
     try:
-        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt, not quiet_console)
+        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt, not quiet_console,
+                      policy, entered)
     except BaseException as exc:
         record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, step_marker["step"], exc)
         raise
 
 
 def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: dict[str, Optional[int]],
-           pg_timeout_s: Optional[float], launch_attempt: int, show_progress: bool) -> Optional[WorkerReport]:
+           pg_timeout_s: Optional[float], launch_attempt: int, show_progress: bool, policy: Optional[FailFastPolicy],
+           entered: float) -> Optional[WorkerReport]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -90,6 +132,8 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
     device_type = hdist.resolve_device(config.distributed.device, local.local_world_size)
     backend = hdist.resolve_backend(config.distributed.backend, device_type)
     info = hdist.init_distributed(device_type, backend, pg_timeout_s or config.distributed.timeout_s)
+    clock = PhaseClock(entered, phases={"launch": entered - started_at})
+    clock.lap("rendezvous")
     heartbeat = Heartbeat(run_dir, info.rank)
     try:
         hdist.set_worker_threads(info.local_world_size)
@@ -133,27 +177,34 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
         audit = AuditRecorder(model, param_check_every=config.metrics.param_check_every,
                               extra={"model_dtype": rank_config.model.dtype})
         audit.record_rng("rng_start", device)
+        # The shard plan is the *global* config's, whatever this rank's data override says (every rank
+        # computes the same size: one sample per data row).
+        plan_samples = len(samples) if rank_config.data == config.data else len(load_rows(config.data))
+        clock.lap("build")
+        fail_fast = FailFast(policy)
+        if fail_fast.policy.enabled:
+            start_checks(fail_fast, config, all_ranks, audit, batches, plan_samples, rank_config.train.grad_accum_steps)
+        clock.lap("start_checks")
 
         loop = TrainLoop(
             config=config, rank_config=rank_config, info=info, device=device, ddp=ddp, monitor=monitor,
             optimizer=optimizer, scheduler=scheduler, batches=batches, run_dir=run_dir, heartbeat=heartbeat,
-            audit=audit, step_marker=step_marker, show_progress=show_progress,
+            audit=audit, fail_fast=fail_fast, step_marker=step_marker, show_progress=show_progress,
         )
         first_step_at = time.time()
-        loop.run()
+        if fail_fast.stop is None:
+            loop.run()
+        clock.lap("train")
         monitor.close()
-        # The shard plan is the *global* config's, whatever this rank's data override says; only rank 0's is kept.
-        plan_samples = 0
-        if info.rank == 0:
-            plan_samples = len(samples) if rank_config.data == config.data else len(load_rows(config.data))
         evidence = audit.finish(plan_samples)
+        clock.lap("finish")
         if evidence is None:  # not rank 0
             return None
         return WorkerReport(
             evidence=evidence, ranks=all_ranks, device_type=device_type,
             device_reason=hdist.device_reason(config.distributed.device, device_type, info.local_world_size),
             backend=backend, world_size=info.world_size, startup_s=first_step_at - started_at, train_s=loop.train_s,
-            steps_completed=loop.steps_completed, stopped_early=loop.stopped_early,
+            steps_completed=loop.steps_completed, stopped_early=fail_fast.stop, phases=clock.phases,
         )
     finally:
         hdist.destroy_distributed()

@@ -123,6 +123,7 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
     ],
 )
 def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny_llama, tmp_path):
+    # Shards and seeds are decisive at the first step (fail fast); a statistical finding needs every step.
     out = tmp_path / "run"
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=steps,
                                script_args=("--bug", bug)))
@@ -131,3 +132,10 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
     failed = {f["check"]: set(f["ranks"]) for f in verdict["findings"] if not f["passed"]}
     assert check in failed, failed
     assert failed[check] == ranks, (check, failed[check])
+    result = json.loads((out / "result.json").read_text())
+    if check == "audit.rank_outliers":
+        assert result["stopped_early"] is None and result["steps_completed"] == steps
+    else:
+        assert result["stopped_early"] == {"step": 0, "check": check.removeprefix("audit."),
+                                           "message": result["audits"][check.removeprefix("audit.")]["message"]}
+        assert result["steps_completed"] == 0

@@ -109,7 +109,7 @@ def _reduction_extras(direction: str = "sketch", steps: int = 2) -> list[dict[st
     with the mean, and computes its Gram in the same chunked pass as the reduction check.
     """
     ddp, reference = _make_ddp(bucket_view=direction == "exact")
-    monitor = WorkerConsistencyMonitor(ddp, direction=direction, every=1, reduction_every=1)
+    monitor = WorkerConsistencyMonitor(ddp, direction=direction, every=1, reduction_every=1, overlap=False)
     out = []
     for step in range(steps):
         x, y = _batch(step, distributed.rank())
@@ -140,7 +140,7 @@ def _check_exact_chunks_ending_on_a_boundary() -> None:
     """Exact mode with a chunk size that divides the gradient: the fused header must still arrive."""
     ddp, reference = _make_ddp()
     numel = sum(p.numel() for p in ddp.module.parameters())
-    monitor = WorkerConsistencyMonitor(ddp, direction="exact", exact_chunk_numel=numel // 4)
+    monitor = WorkerConsistencyMonitor(ddp, direction="exact", exact_chunk_numel=numel // 4, overlap=False)
     assert numel % 4 == 0
     x, y = _batch(0, distributed.rank())
     _loss(ddp, x, y).backward()

@@ -137,40 +137,62 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
     json.dumps(m.to_dict(), allow_nan=False)
 
 
-def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1) -> list:
-    """``steps`` monitored steps, each checked against the reference; returns the StepMetrics/None list."""
+def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
+                  overlap: bool = False) -> list:
+    """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
+
+    With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
+    every one is checked against the reference kept from its own step.
+    """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
-    monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7)
+    monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7,
+                                       overlap=overlap)
     bf16 = dtype == torch.bfloat16
-    results = []
+    references: dict[int, tuple] = {}
+    measured: list = []
+
+    def check(m) -> None:
+        grads, losses = references.pop(m.step)
+        assert m.direction == direction and m.world_size == n
+        assert m.per_rank_extras["compute_ms"] == [float(r) for r in range(n)]
+        # Exact mode reads everything off the float64 Gram; sketch mode's cosine-to-mean uses the
+        # hook's dot with the all-reduced mean, which DDP rounds to bf16 for a bf16 model.
+        mean_rel = 1e-5 if direction == "exact" or not bf16 else 2e-2
+        _check_against_reference(m, grads, losses, [10 + 3 * r for r in range(n)], direction == "exact", mean_rel)
+        measured.append(m)
+
     for step in range(steps):
         loss, local = _train_step(ddp, reference_model, step, accum, dtype)
         tokens = 10 + 3 * rank
         m = monitor.end_step(torch.tensor(loss, dtype=torch.float64), tokens=tokens, extras={"compute_ms": float(rank)})
-        results.append(m)
         grads = distributed.all_gather_rows(local)
-        losses = distributed.all_gather_rows(torch.tensor([loss], dtype=torch.float64))[:, 0].tolist()
+        if step % every == 0:
+            references[step] = (grads, distributed.all_gather_rows(torch.tensor([loss], dtype=torch.float64))[:, 0].tolist())
         # DDP must still apply the plain average (bf16: rounded as DDP's own bf16 all-reduce does).
         applied = _applied_mean_gradient(ddp)
         tolerance = 2e-2 * float(grads.mean(0).abs().max()) if bf16 else 1e-6
         assert torch.allclose(applied, grads.mean(0), rtol=0, atol=tolerance), f"step {step}: applied grad != mean"
-        if step % every:
-            assert m is None, f"step {step} is not sampled (every={every}) but end_step returned {m!r}"
-        else:
-            assert m is not None and m.step == step and m.direction == direction
-            assert m.world_size == n and m.per_rank_extras == {"compute_ms": [float(r) for r in range(n)]}
-            # Exact mode reads everything off the float64 Gram; sketch mode's cosine-to-mean uses the
-            # hook's dot with the all-reduced mean, which DDP rounds to bf16 for a bf16 model.
-            mean_rel = 1e-5 if direction == "exact" or not bf16 else 2e-2
-            _check_against_reference(m, grads, losses, [10 + 3 * r for r in range(n)], direction == "exact", mean_rel)
+        if m is not None:
+            assert m.step == (step if not overlap else max(s for s in references if s < step)), (m.step, step)
+            check(m)
+        elif not overlap:
+            assert step % every, f"step {step} is sampled (every={every}) but end_step returned None"
         _finish_step(ddp, reference_model)
-    sampled = [m for m in results if m is not None]
-    assert sampled[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {sampled[-1].buckets}"
+    last = monitor.flush()
+    if overlap:
+        check(last)
+    else:
+        assert last is None
+    assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references
+    assert measured[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {measured[-1].buckets}"
     # Guards the scenario itself: the bucket layout must change between the first and a later step.
-    assert sampled[0].buckets != sampled[-1].buckets, "DDP did not rebuild its buckets; rebuild path not exercised"
+    assert measured[0].buckets != measured[-1].buckets, "DDP did not rebuild its buckets; rebuild path not exercised"
+    # Busy time (previous reduction's end to this rank's last bucket) exists from the second step on.
+    assert "busy_ms" not in measured[0].per_rank_extras or every > 1
+    assert all(v > 0 for m in measured[1:] for v in m.per_rank_extras["busy_ms"])
     _check_close_restores_average(ddp, reference_model, monitor, dtype)
-    return results
+    return measured
 
 
 def _check_close_restores_average(ddp, reference_model, monitor, dtype) -> None:
@@ -187,7 +209,7 @@ def _check_nonfinite() -> None:
     """Rank 2's gradient goes NaN, rank 1 reports a NaN loss: both listed, the rest still measured."""
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(torch.float32, False)
-    monitor = WorkerConsistencyMonitor(ddp, direction="sketch")
+    monitor = WorkerConsistencyMonitor(ddp, direction="sketch", overlap=False)
     loss, local = _train_step(ddp, reference_model, 0, 1, torch.float32, poison=rank == 2)
     reported = float("nan") if rank == 1 else loss  # rank 2's loss is NaN too, through its input
     m = monitor.end_step(reported)
@@ -223,10 +245,11 @@ def _four_rank_worker() -> None:
     try:
         _check_bad_arguments()
         _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3)
-        results = _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2)
-        assert [m is None for m in results] == [False, True, False, True]
+        _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2)
+        _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True)
+        _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True)
         _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2)
-        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2)
+        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True)
         _check_nonfinite()
     finally:
         distributed.destroy_distributed()
@@ -237,7 +260,7 @@ def _eight_rank_worker() -> None:
     distributed.init_distributed("cpu", "gloo", 120)
     try:
         _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
-        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=2)
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True)
     finally:
         distributed.destroy_distributed()
 

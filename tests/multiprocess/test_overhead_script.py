@@ -40,3 +40,38 @@ def test_two_ranks_two_steps_print_every_column(overhead):
         assert row.plain_ms > 0 and row.monitored_ms > 0
         assert math.isclose(row.ratio, row.monitored_ms / row.plain_ms)
         assert 0 < row.ci90[0] <= row.ci90[1] and row.cpu_ratio > 0
+
+
+def test_target_lines_name_both_target_settings(overhead):
+    rows = [overhead.Row("tiny-gpt2", 8, "sketch", 10, 10.2, 1.02, (1.0, 1.04), 1.02, 1.02),
+            overhead.Row("harness-llama", 8, "sketch", 10, 10.5, 1.05, (1.0, 1.1), 1.05, 1.05),
+            overhead.Row("harness-llama", 8, "exact", 10, 15, 1.5, (1.4, 1.6), 1.5, 1.5)]
+    assert overhead.target_lines(rows) == [
+        "target sketch <= 1.03 on tiny-gpt2, 8 ranks: met (1.020)",
+        "target sketch <= 1.03 on harness-llama, 8 ranks: MISSED (1.050)",
+    ]
+
+
+@pytest.mark.multiprocess
+def test_hook_cost_smoke_run_on_cpu(capsys):
+    # The GPU measurement's script, on a tiny model and one gloo rank: every arm runs and prints a row.
+    with loaded_script("hook_cost") as hook_cost:
+        results = hook_cost.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128",
+                                  "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1"])
+    assert set(results) == {"plain", "sketch", "exact"} and all(r["step_ms"] > 0 for r in results.values())
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in table[-3:]] == ["| plain", "| sketch", "| exact"]
+
+
+def test_sketch_cost_table(capsys):
+    with loaded_script("sketch_cost") as sketch_cost:
+        import sys
+
+        argv, sys.argv = sys.argv, ["sketch_cost.py", "--sizes", "20000", "--repeats", "1"]
+        try:
+            sketch_cost.main()
+        finally:
+            sys.argv = argv
+    line = capsys.readouterr().out.splitlines()[-1]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[0] == "20,000" and all(float(c) > 0 for c in cells[1:5]) and cells[5] == "0.1 MiB"

@@ -8,9 +8,12 @@ On every worker, before the script runs, :class:`ScriptSession` installs its pat
 * an optimizer step that updates the monitored model's parameters is a probe step. Before it runs
   (after the synchronising backward) the monitor gathers the step's metrics; after it, parameter
   hashes are compared on check steps;
-* after ``train.steps`` steps (or a non-finite step) every rank gathers its evidence, then
-  :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same step on every
-  rank, before any saving or evaluation that follows the loop.
+* at the first step, what every rank trains with (seeds and RNG at the first training forward, the
+  environment, the first step's DataLoader indices) is gathered and judged at once, and so are the
+  parameter hashes on check steps: with fail fast, a decisive failure ends the probe there;
+* after ``train.steps`` steps (or a non-finite step, or a decisive failure) every rank gathers its
+  evidence, then :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same
+  step on every rank, before any saving or evaluation that follows the loop.
 
 The run layer supplies heartbeats, faults and row writing through :class:`SessionHooks`.
 """
@@ -21,12 +24,15 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional
 
-from healthcheck.artifacts import RankInfo, WorkerReport
+from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.patches import install
+from healthcheck.judge.assemble import environment_from_evidence, script_shard_audit, seeds_from_evidence
+from healthcheck.judge.exact_audits import param_equality_audit
+from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
@@ -41,7 +47,8 @@ class SessionHooks:
     """What the run layer does at the session's moments (every callable runs on every rank)."""
 
     beat: Callable[[int, str], None]  #: heartbeat: (step, phase)
-    at_step_start: Callable[[int], None]  #: injected faults of the step
+    at_step_start: Callable[[int], None]  #: injected faults of the step (crash, hang)
+    after_step: Callable[[int], None] = lambda step: None  #: injected slowness, inside the next step's work
     on_metrics: Callable[[int, Any, Optional[float]], None]  #: (step, StepMetrics, lr): rows and progress
     on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
     install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
@@ -50,8 +57,10 @@ class SessionHooks:
 class ScriptSession:
     """Measures one script run on this rank; see the module docstring. Use as a context manager."""
 
-    def __init__(self, config: ProbeConfig, hooks: SessionHooks, started_at: float):
+    def __init__(self, config: ProbeConfig, hooks: SessionHooks, started_at: float,
+                 fail_fast: Optional[FailFastPolicy] = None):
         self.config, self.hooks, self.started_at = config, hooks, started_at
+        self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
         self.loaders = observe.LoaderRecorder()
         self.ddp: Any = None
@@ -59,7 +68,6 @@ class ScriptSession:
         self.audit: Optional[AuditRecorder] = None
         self.steps_done = 0
         self.complete = False
-        self.stopped_early: Optional[str] = None
         self.report: Optional[WorkerReport] = None
         self.first_forward: Optional[dict[str, Any]] = None
         self._param_ids: set[int] = set()
@@ -70,7 +78,7 @@ class ScriptSession:
         self._first_step_at = 0.0
         self._train_started = 0.0
         self._last_post = time.perf_counter()
-        self._last_gather: Optional[float] = None
+        self._pending_lr: dict[int, Optional[float]] = {}
         self._handles: list[Any] = []
         self._patches: Any = None
 
@@ -92,7 +100,20 @@ class ScriptSession:
         if self._patches is not None:
             self._patches.restore()
         if self.monitor is not None:
+            if exc_info[0] is not None and not self.complete:
+                self._salvage()
             self.monitor.close()
+
+    def _salvage(self) -> None:
+        """The script failed: keep the last completed step's rows if its gather finishes within a bounded wait."""
+        from healthcheck.measure.step_gather import CLOSE_WAIT_S
+
+        try:
+            metrics = self.monitor.flush(timeout_s=CLOSE_WAIT_S)
+            if metrics is not None:
+                self.hooks.on_metrics(metrics.step, metrics, self._pending_lr.pop(metrics.step, None))
+        except Exception:  # the gather failed with its peer: nothing to keep
+            pass
 
     # ------------------------------------------------------------------ callbacks from the patches
 
@@ -157,24 +178,29 @@ class ScriptSession:
         self.hooks.beat(step, "sync")
         if step == 0:
             self._start(optimizer)
+            if self.fail_fast.stop is not None:  # decided before the first update: no parameter moves
+                self._depth -= 1
+                self._finish()
+                raise ProbeComplete()
         self.hooks.at_step_start(step)
-        now = time.perf_counter()
-        extras = {"compute_ms": (now - self._last_post) * 1000}
-        if self._last_gather is not None:
-            # From the previous gather, a moment every rank shares: ranks differ only by their own work.
-            extras["cycle_ms"] = (now - self._last_gather) * 1000
+        # Until the end of backward, all-reduce included (so the wait for the slowest rank too; the
+        # stragglers audit uses the monitor's busy_ms, which excludes it).
+        extras = {"compute_ms": (time.perf_counter() - self._last_post) * 1000}
         step_loss = self.capture.take()
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
-        metrics = self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras)
-        self._last_gather = time.perf_counter() if metrics is not None else None
-        if metrics is not None:
-            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-            self.hooks.on_metrics(step, metrics, float(lr) if isinstance(lr, (int, float)) else None)
-            if metrics.nonfinite_ranks:
-                # Every rank sees the same gathered metrics, so all stop after the same step.
-                self.stopped_early = f"non-finite loss or gradient on rank(s) {metrics.nonfinite_ranks} at step {step}"
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        self._pending_lr[step] = float(lr) if isinstance(lr, (int, float)) else None
+        self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         self.hooks.beat(step, "optimizer")
+
+    def _record(self, metrics: Any) -> None:
+        """A step's metrics (they arrive a step late): rows on rank 0, and a stop on a non-finite value."""
+        if metrics is None:
+            return
+        self.hooks.on_metrics(metrics.step, metrics, self._pending_lr.pop(metrics.step, None))
+        # Every rank sees the same gathered metrics, so all stop after the same step.
+        self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.ddp is None or not self._owns(optimizer):
@@ -185,11 +211,15 @@ class ScriptSession:
         assert self.audit is not None
         step = self.steps_done
         self.audit.after_optimizer_step(step)  # collective on parameter-check steps
+        if self.audit.checked_at(step):  # every rank holds the same hash table: the same decision
+            self.fail_fast.judge(step, {"param_equality": param_equality_audit(
+                self.audit.param_checks, self.audit.param_names(), self.audit.param_drift)})
         self.steps_done += 1
-        self._last_post = time.perf_counter()
-        if self.steps_done >= self.config.train.steps or self.stopped_early:
+        if self.steps_done >= self.config.train.steps or self.fail_fast.stop is not None:
             self._finish()
             raise ProbeComplete()
+        self.hooks.after_step(step)
+        self._last_post = time.perf_counter()
         self.hooks.beat(self.steps_done, "compute")
 
     # ------------------------------------------------------------------ start and finish
@@ -215,7 +245,17 @@ class ScriptSession:
             sampler_replicas=plan.num_replicas if plan else None, precision=facts.get("precision", "unknown"),
             versions=versions(), env=rank_environment(),
         )
-        self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]
+        # What the first step already shows rides on the same gather: RNG states, the recorded extras and
+        # the first step's DataLoader indices.
+        early = RankEvidence(consumed=list(loader.batches) if loader else [], rng=self.audit.rng, extra=self.audit.extra,
+                             sampler=plan, shard_source="none" if loader is None else ("sampler" if plan else "loader"))
+        gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump()})
+        self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
+        if self.fail_fast.policy.enabled:
+            per_rank = [RankEvidence.model_validate(item["evidence"]) for item in gathered]
+            self.fail_fast.judge(0, {"data_shards": script_shard_audit(per_rank),
+                                     "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
+                                     "environment": environment_from_evidence(self._all_ranks, per_rank)})
         self._first_step_at = time.time()
         self._train_started = time.perf_counter()
 
@@ -224,6 +264,7 @@ class ScriptSession:
         import torch.distributed as dist
 
         assert self.audit is not None
+        self._record(self.monitor.flush())  # the last step's gather, still in flight
         self.monitor.close()
         loader = self.loaders.training_loader()
         self.audit.consumed = list(loader.batches) if loader else []
@@ -240,5 +281,5 @@ class ScriptSession:
             device_reason=f"the script placed its model on {device_type}", backend=str(dist.get_backend()),
             world_size=dist.get_world_size(), startup_s=self._first_step_at - self.started_at,
             train_s=time.perf_counter() - self._train_started, steps_completed=self.steps_done,
-            stopped_early=self.stopped_early,
+            stopped_early=self.fail_fast.stop,
         )

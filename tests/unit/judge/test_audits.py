@@ -429,3 +429,19 @@ def test_every_scenario_config_validates_and_names_a_rank_inside_the_world():
         config = scenario.config(1000)
         assert scenario.expected_checks and scenario.expected_rank_set(config.distributed.nproc) <= set(range(8))
         assert config.train.seed == 1000
+
+
+@pytest.mark.parametrize("set_epoch", [True, False])
+@pytest.mark.parametrize("micro", [1, 3, 4])
+def test_planned_reads_are_what_the_loader_yields_across_epochs(set_epoch, micro):
+    # What fail fast judges before the first step must be exactly what the ranks then read.
+    for rank, replicas in ((0, 1), (1, 4), (3, 4)):
+        train = TrainConfig(micro_batch_size=micro, set_epoch=set_epoch)
+        plan = ShardPlan(seed=7, rank=rank, replicas=replicas)
+        planned = MicroBatches(_samples(37), plan, train, pad_token_id=0).planned_reads(80)
+        batches = MicroBatches(_samples(37), plan, train, pad_token_id=0)
+        read = []
+        for _ in range(80):
+            batch = batches.next()
+            read.append((batches.epoch, batch["sample_ids"]))
+        assert planned == read and len({epoch for epoch, _ in read}) > 1

@@ -16,19 +16,19 @@ def _metrics(extras=None, loss=(1.0, 3.0)):
 
 
 def test_rank_rows_carry_each_ranks_own_numbers():
-    rows = rank_rows(7, _metrics({"compute_ms": [5.0, 6.0], "cycle_ms": [7.0, 8.0]}))
+    rows = rank_rows(7, _metrics({"compute_ms": [5.0, 6.0], "busy_ms": [7.0, 8.0]}))
     assert [r["rank"] for r in rows] == [0, 1] and {r["step"] for r in rows} == {7}
     assert [r["loss"] for r in rows] == [1.0, 3.0]
     assert [r["grad_norm"] for r in rows] == [2.0, 1.0]
     assert [r["tokens"] for r in rows] == [10, 30]
-    assert [(r["compute_ms"], r["cycle_ms"]) for r in rows] == [(5.0, 7.0), (6.0, 8.0)]
+    assert [(r["compute_ms"], r["busy_ms"]) for r in rows] == [(5.0, 7.0), (6.0, 8.0)]
 
 
 def test_rank_rows_without_timings_or_tokens():
     data = _metrics()
     data["per_rank_tokens"] = None
     rows = rank_rows(0, data)
-    assert all(r["tokens"] is None and r["compute_ms"] is None and r["cycle_ms"] is None for r in rows)
+    assert all(r["tokens"] is None and r["compute_ms"] is None and r["busy_ms"] is None for r in rows)
 
 
 def test_aggregate_row_has_every_summarised_aggregate_and_stays_json_safe():

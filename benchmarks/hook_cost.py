@@ -1,0 +1,134 @@
+"""The monitor's cost on one rank with a large model: step time and peak memory with and without it.
+
+Issue 13's GPU measurement: one NCCL rank, a ~1B-parameter ``LlamaForCausalLM`` (random init, bf16
+parameters), micro-batch 4 x 1024 tokens. With one rank there is no consistency to measure, but every
+cost the monitor adds is there: the comm hook's norms, dot products and sketch (or exact mode's copy
+and gather), the per-step gather and its host sync. Each arm (``plain``: DDP's built-in all-reduce;
+``sketch``; ``exact``) builds its own DDP model from the same weights and runs ``--warmup`` untimed then
+``--steps`` timed optimizer steps (forward, backward, ``end_step``, AdamW step); the device is
+synchronised around each step. Prints per arm the median step time, the hook's cost as a fraction of
+the plain step, and the peak memory (``torch.cuda.max_memory_allocated``; CPU: not measured).
+
+    python benchmarks/hook_cost.py                                   # CUDA + NCCL, the ~1B model
+    python benchmarks/hook_cost.py --device cpu --layers 1 --hidden 64 --intermediate 128 --vocab 256 \\
+        --seq 32 --steps 2 --warmup 1                                # a smoke run anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+ARMS = ("plain", "sketch", "exact")
+
+
+def build(args: argparse.Namespace, device: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
+                         max_position_embeddings=args.seq, tie_word_embeddings=False)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -> dict[str, float]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+    model = build(args, device)
+    model.load_state_dict(base_state)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    monitor = None if arm == "plain" else WorkerConsistencyMonitor(ddp, direction=arm, sketch_dim=args.sketch_dim)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-5)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if monitor is not None:
+            monitor.end_step(loss.detach(), tokens=ids.numel())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if monitor is not None:
+        monitor.flush()
+        monitor.close()
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del ddp, model, optimizer, monitor
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_ms": statistics.median(times) * 1000, "peak_gib": peak}
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--sketch-dim", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:  # a free port for this one-rank group
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        base = build(args, device)
+        params = sum(p.numel() for p in base.parameters())
+        state = {k: v.clone() for k, v in base.state_dict().items()}
+        del base
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{name}: LlamaForCausalLM {params / 1e9:.2f}B params, {args.dtype}, micro-batch {args.batch} x {args.seq}, "
+              f"one rank ({dist.get_backend()}), {args.steps} timed steps per arm")
+        results = {arm: run_arm(arm, state, args, device) for arm in args.arms}
+    finally:
+        dist.destroy_process_group()
+    plain = results.get("plain")
+    print("| arm | step ms (median) | hook cost (fraction of the plain step) | peak memory GiB | vs plain |")
+    print("|---|---:|---:|---:|---:|")
+    for arm, row in results.items():
+        cost = f"{row['step_ms'] / plain['step_ms'] - 1:+.2%}" if plain and arm != "plain" else "-"
+        extra = f"{row['peak_gib'] - plain['peak_gib']:+.2f}" if plain and arm != "plain" and device.type == "cuda" else "-"
+        peak = f"{row['peak_gib']:.2f}" if device.type == "cuda" else "n/a (CPU)"
+        print(f"| {arm} | {row['step_ms']:.1f} | {cost} | {peak} | {extra} |")
+    return results
+
+
+if __name__ == "__main__":
+    main()

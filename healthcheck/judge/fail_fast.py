@@ -1,0 +1,67 @@
+"""Fail fast: stop a probe at the first decisive failure instead of running its remaining steps.
+
+Some evidence is final long before the last step: shards that overlap are in the sampler plan before
+the first step, seeds and the environment are known at start-up, and a parameter-hash mismatch or a
+non-finite value is known at its step. The workers judge that evidence with the same pure audits the
+post-run assembly uses (:mod:`.assemble`), on data every rank holds identically after a gather, so
+every rank reaches the same decision at the same step without another collective.
+
+A failure is decisive when its audit is exact (:data:`DECISIVE`) and the baseline does not approve that
+very signature. Statistical checks (envelopes, stragglers, rank outliers) never stop a probe: their
+false-alarm rates are stated for the whole window.
+
+    >>> from healthcheck.artifacts import FailFastPolicy
+    >>> from healthcheck.judge.audit_outcome import AuditOutcome
+    >>> gate = FailFast(FailFastPolicy(approved={"seeds": "seed {0}{1-7}"}))
+    >>> gate.judge(0, {"seeds": AuditOutcome(False, "rank 0 has seed 1", "seed {0}{1-7}", (0,))})
+    False
+    >>> gate.judge(4, {"param_equality": AuditOutcome(False, "rank 2 differs", "{0,1,3}{2}", (2,))})
+    True
+    >>> gate.stop.headline()
+    'stopped early at step 4: param_equality'
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from healthcheck.artifacts import EarlyStop, FailFastPolicy
+from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.ranks import ranks_phrase
+
+#: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
+DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "nonfinite")
+
+
+class FailFast:
+    """The workers' stop decision; ``stop`` holds the first decisive failure, the same on every rank.
+
+    Args:
+        policy: Whether to stop at decisive audit failures, and the baseline's approved signatures.
+            None: never stop on an audit (a non-finite value still stops the run).
+    """
+
+    def __init__(self, policy: Optional[FailFastPolicy] = None):
+        self.policy = policy or FailFastPolicy(enabled=False)
+        self.stop: Optional[EarlyStop] = None
+
+    def judge(self, step: int, outcomes: Mapping[str, AuditOutcome]) -> bool:
+        """Record the first decisive failure among ``outcomes`` (audit name -> outcome); True once stopped."""
+        if self.stop is not None or not self.policy.enabled:
+            return self.stop is not None
+        for name in DECISIVE:
+            outcome = outcomes.get(name)
+            if outcome is None or outcome.passed or not outcome.measured:
+                continue
+            if self.policy.approved.get(name) == outcome.signature:
+                continue  # a deviation the baseline records on purpose
+            self.stop = EarlyStop(step=step, check=name, message=outcome.message)
+            break
+        return self.stop is not None
+
+    def nonfinite(self, step: int, ranks: Sequence[int]) -> bool:
+        """A non-finite loss or gradient at ``step`` on ``ranks`` stops the run, fail fast or not."""
+        if self.stop is None and ranks:
+            self.stop = EarlyStop(step=step, check="nonfinite",
+                                  message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}")
+        return self.stop is not None

@@ -1,0 +1,203 @@
+"""One step's per-rank measurements: packed into one vector, gathered once, turned into StepMetrics.
+
+Every monitor (DDP's comm hook, FSDP2's reduce-scatter) ends a step with the same pieces on each
+rank: the loss and token count, ‖g_i‖², ⟨g_i, ḡ⟩ and this rank's part of ‖ḡ‖² (the parts sum to it;
+or an exact Gram instead), per-rank extras, and in sketch mode a k-float sketch. :func:`launch` packs
+them into one float64 vector (the sketch as fp32 bits) and
+starts ONE all-gather; :func:`complete` waits for it, does the step's one host sync and hands the
+numbers to :func:`~healthcheck.measure.metrics.compute_step_metrics`.
+
+Off the critical path. With ``overlap`` the all-gather is asynchronous: it runs on the process
+group's communication thread (gloo) or stream (NCCL) while the next step computes, and is read one
+step later. On a 2-core host running 8 ranks, a synchronous gather cost ~15 ms a step, nearly all of
+it waiting for the slowest rank to arrive; an asynchronous one costs what it takes to issue it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+from healthcheck.measure import distributed
+from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
+
+#: The fixed columns of the gathered vector, before the extras (sorted by name) and the sketch.
+HEADER = ("loss", "tokens", "sqnorm", "dot", "mean_sqnorm", "nonfinite", "loss_measured")
+_COLUMN = {name: index for index, name in enumerate(HEADER)}
+#: How long closing a monitor, or a failure path, waits for a gather still in flight before dropping it.
+CLOSE_WAIT_S = 2.0
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step whose gather was started; :func:`complete` finishes it."""
+
+    step: int
+    direction: str
+    world: int
+    work: Any  #: the async collective's handle, or None when it already finished
+    rows: Any  #: [world, width (+ k)] float64, valid once ``work`` completed
+    names: list[str]
+    gram: Optional[Any]  #: exact mode: the float64 Gram (identical on every rank)
+    buckets: int
+    sketch_dim: int = 0  #: sketch mode: the sketch's length (its fp32 bits follow the header)
+    source: Any = None  #: this rank's packed vector, kept alive while the collective may still read it
+
+
+def pack(
+    *,
+    loss: Any,
+    tokens: Any,
+    sqnorm: Any,
+    dot: Any,
+    mean_sqnorm: Any,
+    extras: Mapping[str, Any],
+    sketch: Any = None,
+) -> tuple[Any, list[str]]:
+    """This rank's float64 vector for the step, and the extras' names in their column order.
+
+    The sketch travels as its fp32 bits, two to a float64 slot (:func:`unpack_sketches` reads them
+    back): the gather only copies bytes, and the fp32 sketch costs half the bytes a float64 one would.
+    """
+    import torch
+
+    device = sqnorm.device if hasattr(sqnorm, "device") else torch.device("cpu")
+    names = sorted(extras)
+    measured = [loss, sqnorm, dot, mean_sqnorm]
+    if device.type == "cpu":
+        # On the host a scalar read costs nothing: one tensor from Python floats beats a dozen small ops.
+        values = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in measured]
+        loss_value, sqnorm_value = values[0], values[1]
+        nonfinite = (loss is not None and not math.isfinite(loss_value)) or not math.isfinite(sqnorm_value)
+        header = torch.tensor([values[0], float("nan") if tokens is None else float(tokens), *values[1:],
+                               float(nonfinite), 0.0 if loss is None else 1.0,
+                               *(float("nan") if extras[n] is None else float(extras[n]) for n in names)],
+                              dtype=torch.float64)
+        parts = [header]
+    else:
+        # Device scalars are stacked as they are (no host sync); plain numbers become one tensor at once.
+        on_device = torch.stack([torch.as_tensor(float("nan") if v is None else v, dtype=torch.float64, device=device)
+                                 .reshape(()) for v in measured])
+        numbers = torch.tensor([float("nan") if tokens is None else float(tokens), 0.0 if loss is None else 1.0,
+                                *(float("nan") if extras[n] is None else float(extras[n]) for n in names)],
+                               dtype=torch.float64, device=device)
+        loss_tensor, sqnorm_tensor = on_device[0], on_device[1]
+        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
+        flag = ((numbers[1] > 0) & ~torch.isfinite(loss_tensor) | ~torch.isfinite(sqnorm_tensor)).to(torch.float64)
+        parts = [on_device[:1], numbers[:1], on_device[1:], flag.reshape(1), numbers[1:]]
+    if sketch is not None:
+        bits = sketch.to(device=device, dtype=torch.float32).reshape(-1)
+        if bits.numel() % 2:
+            bits = torch.cat([bits, bits.new_zeros(1)])
+        parts.append(bits.view(torch.float64))
+    return torch.cat(parts) if len(parts) > 1 else parts[0], names
+
+
+def unpack_sketches(rows: Any, width: int, dim: int) -> Any:
+    """The ``[world, dim]`` float64 sketches from gathered rows packed by :func:`pack` (header ``width`` wide).
+
+    >>> import torch
+    >>> flat, _ = pack(loss=1.0, tokens=2, sqnorm=torch.tensor(3.0), dot=0.0, mean_sqnorm=0.0, extras={},
+    ...                sketch=torch.tensor([0.5, -1.25, 3.0]))
+    >>> unpack_sketches(flat.reshape(1, -1), len(HEADER), 3).tolist()
+    [[0.5, -1.25, 3.0]]
+    """
+    import torch
+
+    return rows[:, width:].contiguous().view(torch.float32)[:, :dim].to(torch.float64)
+
+
+def launch(
+    *,
+    step: int,
+    direction: str,
+    group: Any,
+    world: int,
+    loss: Any,
+    tokens: Any,
+    sqnorm: Any,
+    dot: Any,
+    mean_sqnorm: Any,
+    extras: Mapping[str, Any],
+    sketch: Any = None,
+    gram: Any = None,
+    buckets: int = 0,
+    overlap: bool = True,
+) -> InFlight:
+    """Pack this rank's pieces (0-d device tensors or numbers; ``loss`` None = not measured) and gather them.
+
+    In exact mode pass ``gram`` (and zeros for ``dot``/``mean_sqnorm``: they are read off the Gram);
+    in sketch mode pass ``sketch``. A collective: every rank calls it with the same extras' keys.
+    """
+    flat, names = pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=dot, mean_sqnorm=mean_sqnorm, extras=extras,
+                       sketch=sketch)
+    if overlap:
+        work, rows = distributed.all_gather_rows_async(flat, group)
+    else:
+        work, rows = None, distributed.all_gather_rows(flat, group)
+    return InFlight(step=step, direction=direction, world=world, work=work, rows=rows, names=names, gram=gram,
+                    buckets=buckets, source=flat, sketch_dim=0 if sketch is None else sketch.numel())
+
+
+def gathered(*, step: int, direction: str, world: int, rows: Any, names: list[str], gram: Any = None,
+             buckets: int = 0) -> InFlight:
+    """A step whose rows were already gathered by the caller (exact mode's header rides on its last
+    gradient chunk: one collective instead of two)."""
+    return InFlight(step=step, direction=direction, world=world, work=None, rows=rows, names=names, gram=gram,
+                    buckets=buckets)
+
+
+def finished_within(inflight: InFlight, timeout_s: float) -> bool:
+    """Whether the gather has finished, waiting at most ``timeout_s`` (polling: a peer may be gone for good)."""
+    import time
+
+    if inflight.work is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while not inflight.work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def complete(inflight: InFlight) -> StepMetrics:
+    """Wait for the gather (if it still runs), do the step's one host sync, compute its metrics."""
+    if inflight.work is not None:
+        inflight.work.wait()
+        inflight.work = inflight.source = None
+    width = len(HEADER) + len(inflight.names)
+    rows = inflight.rows
+    if inflight.gram is not None:
+        gram = inflight.gram
+    else:
+        sketches = unpack_sketches(rows, width, inflight.sketch_dim)
+        gram = sketches @ sketches.T
+    values = rows[:, :width].cpu().tolist()
+    gram_rows = gram.cpu().tolist()
+
+    def column(name: str) -> list[float]:
+        return [row[_COLUMN[name]] for row in values]
+
+    if inflight.gram is not None:
+        sqnorms, dots, mean_sq = gram_statistics(gram_rows)
+    else:
+        sqnorms, dots = column("sqnorm"), column("dot")
+        # Each rank measured ‖ḡ‖² over its own part of the reduced mean (a slice, or its FSDP shard).
+        mean_sq = fsum(column("mean_sqnorm"))
+    tokens = column("tokens")
+    return compute_step_metrics(
+        step=inflight.step,
+        direction=inflight.direction,
+        per_rank_loss=column("loss"),
+        per_rank_sqnorm=sqnorms,
+        dots_with_mean=dots,
+        mean_sqnorm=mean_sq,
+        gram=gram_rows,
+        per_rank_tokens=None if any(math.isnan(t) for t in tokens) else tokens,
+        nonfinite_flags=[flag != 0 for flag in column("nonfinite")],
+        loss_measured=[flag != 0 for flag in column("loss_measured")],
+        per_rank_extras={name: [row[len(HEADER) + j] for row in values] for j, name in enumerate(inflight.names)},
+        buckets=inflight.buckets,
+    )

@@ -1,0 +1,124 @@
+"""The folded count sketch: layout, determinism, linearity, and an unbiased inner product (Monte Carlo)."""
+
+import math
+
+import torch
+
+from healthcheck.measure import sketch as SK
+
+# a tiny layout with many chunks, segments and partial segments: p = 31, m = 2, L = 62, G = 4, T = 248
+K, M, CHUNK = 32, 2, 31 * 2 * 4
+
+
+def _sk(x, seed, bucket_id=0, **kw):
+    return SK.sketch_bucket(x, k=K, seed=seed, bucket_id=bucket_id, m=M, chunk=CHUNK, **kw)
+
+
+def test_layout():
+    lay = SK.get_layout(K, M, CHUNK)
+    assert (lay.p, lay.m, lay.L, lay.G, lay.T) == (31, 2, 62, 4, 248)
+    assert SK.sketch_dim(16384) == 16381 and SK.sketch_dim(4096) == 4093 and SK.sketch_dim(1024) == 1021
+
+
+def test_safe_sketch_size():
+    assert SK.safe_sketch_size(16384, [4096, 11008, 32000]) == 16381
+    assert SK.safe_sketch_size(16384, [16381 * 2]) == 16369      # next prime down
+    assert SK.safe_sketch_size(1024, [1021, 1019 * 3]) == 1013
+
+
+def test_deterministic_and_bucket_dependent():
+    x = torch.randn(5000)
+    a, b = _sk(x, seed=3, bucket_id=7), _sk(x, seed=3, bucket_id=7)
+    assert torch.equal(a, b)                       # bitwise identical: same seed + bucket
+    assert not torch.equal(a, _sk(x, seed=3, bucket_id=8))
+    assert not torch.equal(a, _sk(x, seed=4, bucket_id=7))
+    # default (large) layout too
+    y = torch.randn(3_000_001)
+    assert torch.equal(SK.sketch_bucket(y, k=4096, seed=1, bucket_id=2), SK.sketch_bucket(y, k=4096, seed=1, bucket_id=2))
+
+
+def test_structure_matches_documented_formula():
+    """Each element lands in exactly one bin with sign +-1, given by the documented formula."""
+    lay = SK.get_layout(K, M, CHUNK)
+    n = 3 * lay.T + 77
+    S = torch.stack([_sk(e, seed=11, bucket_id=5) for e in torch.eye(n)])      # [n, p]
+    tau2 = SK.sign_table(11, lay.T, "cpu")
+    for i in range(n):
+        c, t = divmod(i, lay.T)
+        o, eps, a, b = SK._chunk_params(11, 5, c, lay)
+        g = t // lay.L
+        expect_bin = (t % lay.p + a * g + b) % lay.p
+        expect_sign = eps * float(tau2[o + t])
+        nz = S[i].nonzero().flatten().tolist()
+        assert nz == [expect_bin], (i, nz, expect_bin)
+        assert float(S[i, expect_bin]) == expect_sign
+    # linearity
+    x = torch.randn(n, dtype=torch.float64)
+    assert torch.allclose(_sk(x, seed=11, bucket_id=5).double(), x @ S.double(), atol=1e-4)
+
+
+def test_piecewise_and_out_accumulation():
+    x = torch.randn(20_011)
+    full = _sk(x, seed=2, bucket_id=1)
+    out = torch.zeros(SK.sketch_dim(K))
+    cuts = [0, 5, 61, 62, 300, 9000, 20_011]
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        _sk(x[s:e], seed=2, bucket_id=1, start=s, out=out)
+    assert torch.allclose(out, full, atol=1e-4)
+
+
+def test_rotation_paths_agree():
+    """The CPU slice-add rotation and the gather rotation compute the same sketch."""
+    x = torch.randn(3_000_000)
+    for k in (1024, 16384):
+        old = SK._LOOP_MIN_P
+        try:
+            SK._LOOP_MIN_P = 0
+            a = SK.sketch_bucket(x, k=k, seed=5, bucket_id=1)
+            SK._LOOP_MIN_P = 1 << 40
+            b = SK.sketch_bucket(x, k=k, seed=5, bucket_id=1)
+        finally:
+            SK._LOOP_MIN_P = old
+        assert torch.allclose(a, b, atol=1e-3), (a - b).abs().max()
+
+
+def test_half_precision_is_upcast():
+    x = torch.randn(100_003).bfloat16()
+    assert torch.equal(_sk(x, seed=1), _sk(x.float(), seed=1))
+    x = torch.randn(100_003).half()
+    assert torch.equal(_sk(x, seed=1), _sk(x.float(), seed=1))
+
+
+def _mc(x, y, trials, bucket_id=0):
+    est = torch.empty(trials, dtype=torch.float64)
+    for s in range(trials):
+        est[s] = _sk(x, seed=s, bucket_id=bucket_id).double() @ _sk(y, seed=s, bucket_id=bucket_id).double()
+    return est
+
+
+def test_unbiased_monte_carlo():
+    """E<Sx,Sy> = <x,y>: Monte Carlo over seeds, on vectors with a large common (DC) component
+    and power-of-two periodic structure (which would expose a biased sign/bin design)."""
+    g = torch.Generator().manual_seed(0)
+    n = 1500                                       # 6 chunks + a partial one
+    i = torch.arange(n)
+    x = (1.0 + 0.5 * torch.randn(n, generator=g) + 2.0 * (i % 64 == 3)).double()
+    y = (1.0 + 0.5 * torch.randn(n, generator=g) + 2.0 * (i % 64 == 3)).double()
+    trials = 3000
+    est = _mc(x.float(), y.float(), trials)
+    true = float(x @ y)
+    se = float(est.std()) / math.sqrt(trials)
+    assert abs(float(est.mean()) - true) < 4 * se, (float(est.mean()), true, se)
+    # the variance is of count-sketch order (bound: (|x|^2|y|^2 + <x,y>^2)/p plus small terms)
+    cs = (float(x @ x) * float(y @ y) + true ** 2) / 31
+    assert float(est.var()) < 2.0 * cs, (float(est.var()), cs)
+
+
+def test_unbiased_monte_carlo_norm():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(700, generator=g) + 3.0
+    trials = 3000
+    est = _mc(x, x, trials, bucket_id=4)
+    true = float(x.double() @ x.double())
+    se = float(est.std()) / math.sqrt(trials)
+    assert abs(float(est.mean()) - true) < 4 * se
