@@ -28,11 +28,16 @@ EXIT_CODES_HELP = """exit codes:
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="probe config YAML (default: the embedded default probe)")
     parser.add_argument(
-        "--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
         help="override one config field (repeatable; validated like the file), e.g. --set train.steps=20",
     )
     parser.add_argument(
-        "--script", metavar="PATH",
+        "--script",
+        metavar="PATH",
         help="probe this training script, unmodified, instead of the built-in trainer (the config's script.path); "
         "its own arguments follow --",
     )
@@ -77,22 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"healthcheck {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    probe = commands.add_parser("probe", help="run a distributed fine-tuning probe and judge it against its baseline",
-                                epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    probe = commands.add_parser(
+        "probe",
+        help="run a distributed fine-tuning probe and judge it against its baseline",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_config_args(probe)
     probe.add_argument("--out", metavar="DIR", type=Path, help="run directory (default: runs/<name>-<UTC timestamp>/)")
-    probe.add_argument("--baseline", metavar="FILE", type=Path,
-                       help="baseline to judge against (default: config's, else baselines/<name>.json)")
+    probe.add_argument(
+        "--baseline", metavar="FILE", type=Path, help="baseline to judge against (default: config's, else baselines/<name>.json)"
+    )
     probe.add_argument("--force", action="store_true", help="compare even if the baseline was recorded for another world size/device")
-    probe.add_argument("--no-judge", action="store_true",
-                       help="run and record only; skip the baseline verdict (exit 0 if the probe finished)")
-    probe.add_argument("--verbose", action="store_true",
-                       help="show every worker's output on the console (default: RUN_DIR/logs/rank-N.log)")
-    probe.add_argument("--audits-only", action="store_true",
-                       help="judge the exact audits against their ideal expectations; no baseline needed, no envelope judged")
-    probe.add_argument("--no-fail-fast", action="store_true",
-                       help="run every step even after a decisive audit failure (default: stop every rank at the "
-                            "first one, exit 1; a non-finite value stops the run either way)")
+    probe.add_argument(
+        "--no-judge", action="store_true", help="run and record only; skip the baseline verdict (exit 0 if the probe finished)"
+    )
+    probe.add_argument(
+        "--verbose", action="store_true", help="show every worker's output on the console (default: RUN_DIR/logs/rank-N.log)"
+    )
+    probe.add_argument(
+        "--audits-only",
+        action="store_true",
+        help="judge the exact audits against their ideal expectations; no baseline needed, no envelope judged",
+    )
+    probe.add_argument(
+        "--no-fail-fast",
+        action="store_true",
+        help="run every step even after a decisive audit failure (default: stop every rank at the "
+        "first one, exit 1; a non-finite value stops the run either way)",
+    )
 
     config = commands.add_parser("config", help="show the resolved config or its JSON Schema")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -121,8 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     show_baseline = baseline_commands.add_parser("show", help="print a baseline readably")
     show_baseline.add_argument("path", type=Path)
 
-    compare = commands.add_parser("compare", help="judge a finished run against a baseline without re-running it",
-                                  epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare = commands.add_parser(
+        "compare",
+        help="judge a finished run against a baseline without re-running it",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     compare.add_argument("run_dir", type=Path)
     compare.add_argument("--baseline", type=Path, help="default: the run config's baseline path")
     compare.add_argument("--force", action="store_true", help="compare despite a world-size/device mismatch")
@@ -154,8 +176,15 @@ def cmd_probe(args) -> int:
     result, run_dir = run_probe(config, args.out, verbose=args.verbose, fail_fast=_fail_fast_policy(args, baseline_path))
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return int(ExitCode.PASS)
-    return gate_run(result, run_dir, baseline_path, force=args.force, record_hint=_record_hint(args),
-                    judge_against_baseline=not args.no_judge, audits_only=args.audits_only)
+    return gate_run(
+        result,
+        run_dir,
+        baseline_path,
+        force=args.force,
+        record_hint=_record_hint(args),
+        judge_against_baseline=not args.no_judge,
+        audits_only=args.audits_only,
+    )
 
 
 def _fail_fast_policy(args: argparse.Namespace, baseline_path: Path) -> Any:
@@ -189,8 +218,7 @@ def cmd_config(args) -> int:
         config = _load(args)
         preflight(config)
         what = f" (script {config.script.path})" if config.script else ""
-        print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers{what}, "
-              f"fingerprint {config.fingerprint()}")
+        print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers{what}, fingerprint {config.fingerprint()}")
     else:
         print(dump_yaml(_load(args)), end="")
     return int(ExitCode.PASS)

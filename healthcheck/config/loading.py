@@ -1,7 +1,7 @@
 """Loading a probe config: the YAML file (or the embedded default), ``--set`` overrides, one validation.
 
-    >>> load_config(None, ["train.steps=20"]).train.steps
-    20
+>>> load_config(None, ["train.steps=20"]).train.steps
+20
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ def apply_set(data: dict[str, Any], expr: str) -> dict[str, Any]:
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """Load a YAML file safely (no object tags) and insist on a mapping at the top."""
-    text = read_text(path, missing=f"{path}: config file not found", unreadable=f"{path}: cannot read config",
-                     error=ConfigError)
+    text = read_text(path, missing=f"{path}: config file not found", unreadable=f"{path}: cannot read config", error=ConfigError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -68,8 +67,13 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = (), *,
-                script: Optional[str] = None, script_args: Optional[list[str]] = None) -> ProbeConfig:
+def load_config(
+    path: str | Path | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+    *,
+    script: Optional[str] = None,
+    script_args: Optional[list[str]] = None,
+) -> ProbeConfig:
     """Load the config file (or the embedded default), apply ``--set`` overrides, then ``--script PATH``
     and the script's arguments (what follows ``--``), and validate once."""
     source = str(path) if path else "default config"

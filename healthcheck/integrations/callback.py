@@ -70,13 +70,16 @@ class HealthcheckCallback(TrainerCallback):
         log_prefix: str = "healthcheck/",
     ):
         if min_window_steps < 1 or window_steps < min_window_steps:
-            raise ValueError(
-                f"min_window_steps: expected 1 <= min_window_steps <= window_steps, got {min_window_steps} and {window_steps}"
-            )
+            raise ValueError(f"min_window_steps: expected 1 <= min_window_steps <= window_steps, got {min_window_steps} and {window_steps}")
         self.trainer = trainer
         # overlap=False: each step's metrics are logged through trainer.log at that step, not one later.
-        self.monitor_options: dict[str, Any] = {"direction": direction, "sketch_dim": sketch_dim, "every": every,
-                                                "seed": seed, "overlap": False}
+        self.monitor_options: dict[str, Any] = {
+            "direction": direction,
+            "sketch_dim": sketch_dim,
+            "every": every,
+            "seed": seed,
+            "overlap": False,
+        }
         self.checks = window_envelopes(envelopes)
         self.stop_on_violation = stop_on_violation
         self.warmup_steps, self.window_steps, self.min_window_steps = warmup_steps, window_steps, min_window_steps
@@ -128,7 +131,7 @@ class HealthcheckCallback(TrainerCallback):
             return
         self._pending = step_aggregates(metrics)
         if state.global_step >= self.warmup_steps:
-            self._window = [*self._window, self._pending][-self.window_steps:]
+            self._window = [*self._window, self._pending][-self.window_steps :]
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending is None:

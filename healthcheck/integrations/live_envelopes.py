@@ -75,8 +75,4 @@ def step_aggregates(metrics) -> dict[str, float]:
     """The per-step values of :data:`healthcheck.judge.envelope.METRICS` (the names baselines use), finite only."""
     row = aggregate_row(0, metrics.to_dict())
     wanted = set(METRICS) | {"mean_grad_norm", "tokens_total"}
-    return {
-        name: float(value)
-        for name, value in row.items()
-        if name in wanted and is_finite_number(value)
-    }
+    return {name: float(value) for name, value in row.items() if name in wanted and is_finite_number(value)}

@@ -90,8 +90,9 @@ class LossCapture:
         if not torch.is_grad_enabled():
             return
         labels = kwargs.get("labels")
-        self._micro.append(_MicroBatch(labels=labels if isinstance(labels, torch.Tensor) else None,
-                                       num_items=kwargs.get("num_items_in_batch")))
+        self._micro.append(
+            _MicroBatch(labels=labels if isinstance(labels, torch.Tensor) else None, num_items=kwargs.get("num_items_in_batch"))
+        )
 
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         import torch
@@ -180,8 +181,10 @@ def _resolve(micro: _MicroBatch) -> tuple[Any, Optional[str]]:
         if tokens is not None:
             return (micro.model_loss * tokens, tokens), None
         return None, "the model returned a loss but no labels to count its tokens"
-    return None, ("no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
-                  "call healthcheck.record_loss(loss, tokens) for a custom loss")
+    return None, (
+        "no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
+        "call healthcheck.record_loss(loss, tokens) for a custom loss"
+    )
 
 
 def _distinct(entries: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -259,8 +262,7 @@ def _patch_cross_entropy() -> None:
     def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(input, target, *args, **kwargs)
         if _ACTIVE:
-            named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"),
-                             args, strict=False))
+            named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args, strict=False))
             named.update(kwargs)
             for capture in _ACTIVE:
                 capture.observe_cross_entropy(input, target, named, result)

@@ -65,12 +65,14 @@ def summarize_ranks(rows: list[dict[str, Any]], window_start: int) -> list[RankS
     z_scores = {field: leave_one_out_z(means[field]) for field in RANK_FIELDS}
     out = []
     for index, rank in enumerate(ranks):
-        out.append(RankSummary(
-            rank=rank,
-            tokens=_mean(r["tokens"] for r in window if r["rank"] == rank),
-            **{field: means[field][index] for field in RANK_FIELDS},
-            **{f"z_{field}": z_scores[field][index] for field in RANK_FIELDS},
-        ))
+        out.append(
+            RankSummary(
+                rank=rank,
+                tokens=_mean(r["tokens"] for r in window if r["rank"] == rank),
+                **{field: means[field][index] for field in RANK_FIELDS},
+                **{f"z_{field}": z_scores[field][index] for field in RANK_FIELDS},
+            )
+        )
     return out
 
 

@@ -12,8 +12,16 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from healthcheck.ranks import rank_span, ranks_phrase
 
-__all__ = ["AuditOutcome", "group_ranks", "grouping_text", "not_measured", "odd_ones_out", "partition_signature",
-           "rank_span", "ranks_phrase"]
+__all__ = [
+    "AuditOutcome",
+    "group_ranks",
+    "grouping_text",
+    "not_measured",
+    "odd_ones_out",
+    "partition_signature",
+    "rank_span",
+    "ranks_phrase",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +39,14 @@ class AuditOutcome:
 
     def to_entry(self) -> dict[str, Any]:
         """The ``result.audits[name]`` record (``details`` keys are flattened in beside the fixed ones)."""
-        return {**self.details, "passed": self.passed, "message": self.message, "ranks": list(self.ranks),
-                "signature": self.signature, "measured": self.measured}
+        return {
+            **self.details,
+            "passed": self.passed,
+            "message": self.message,
+            "ranks": list(self.ranks),
+            "signature": self.signature,
+            "measured": self.measured,
+        }
 
 
 def not_measured(why: str) -> AuditOutcome:

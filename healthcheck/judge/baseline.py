@@ -156,8 +156,9 @@ def _check_fittable(results: list[RunResult]) -> None:
         changes = [c for c in config_diff(reference, result.config.model_dump(mode="json")) if c.path != "train.seed"]
         if changes:
             shown = ", ".join(f"{c.path}: {c.old!r} -> {c.new!r}" for c in changes[:3])
-            raise BaselineError(f"{_label(result, index)}: config differs from run 1 beyond train.seed ({shown}); "
-                                "fit from runs of one config")
+            raise BaselineError(
+                f"{_label(result, index)}: config differs from run 1 beyond train.seed ({shown}); fit from runs of one config"
+            )
         env, env0 = result.environment, first.environment
         assert env is not None and env0 is not None  # checked in the loop above
         if (env.world_size, env.device_type) != (env0.world_size, env0.device_type):
@@ -239,8 +240,10 @@ def fit_baseline(
         world_size=env.world_size,
         config=first.config.model_dump(mode="json"),
         config_fingerprint=first.config.fingerprint(),
-        runs=[FittedRun(seed=r.config.train.seed, run_id=i, started_at=r.timing.started_at, config_fingerprint=r.config_fingerprint)
-              for r, i in zip(results, ids, strict=True)],
+        runs=[
+            FittedRun(seed=r.config.train.seed, run_id=i, started_at=r.timing.started_at, config_fingerprint=r.config_fingerprint)
+            for r, i in zip(results, ids, strict=True)
+        ],
         false_alarm_rate=false_alarm_rate,
         envelopes=envelopes,
         audits=approved_audit_signatures(results),
@@ -287,9 +290,7 @@ def save_baseline(baseline: Baseline, path: Path | str) -> None:
         _save_locked(baseline, path)
     except OSError as exc:
         # Disk full or read-only: the temp file is removed and the old baseline was never touched.
-        raise BaselineError(
-            f"{path}: cannot write baseline ({exc.strerror or exc}); the previous baseline, if any, is unchanged"
-        ) from None
+        raise BaselineError(f"{path}: cannot write baseline ({exc.strerror or exc}); the previous baseline, if any, is unchanged") from None
 
 
 def _save_locked(baseline: Baseline, path: Path) -> None:
@@ -327,8 +328,13 @@ def _append_history_line(history: Path, line: str) -> None:
         os.fsync(handle.fileno())
 
 
-def record_command(config: Optional[str] = None, sets: Sequence[str] = (), script: Optional[str] = None,
-                   script_args: Optional[Sequence[str]] = None, repeats: int = 5) -> str:
+def record_command(
+    config: Optional[str] = None,
+    sets: Sequence[str] = (),
+    script: Optional[str] = None,
+    script_args: Optional[Sequence[str]] = None,
+    repeats: int = 5,
+) -> str:
     """The command that records a baseline for the probe the user ran, with their own arguments, ready to copy.
 
     >>> record_command("probe.yaml", ["train.steps=20"], "train.py", ["--lr", "1e-4"])
@@ -359,8 +365,9 @@ def load_baseline(path: Path | str, record_hint: Optional[str] = None) -> Baseli
     """
     path = Path(path)
     hint = record_hint or record_command()
-    text = read_text(path, missing=f"{path}: no baseline found; record one with: {hint}",
-                     unreadable=f"{path}: cannot read baseline", error=BaselineError)
+    text = read_text(
+        path, missing=f"{path}: no baseline found; record one with: {hint}", unreadable=f"{path}: cannot read baseline", error=BaselineError
+    )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

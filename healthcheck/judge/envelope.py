@@ -72,56 +72,86 @@ class MetricSpec(FiniteRecord):
 #: and then far off).
 METRICS: dict[str, MetricSpec] = {
     "loss_std": MetricSpec(
-        gated=True, statistic="median", scale="log", rank_z="z_loss",
+        gated=True,
+        statistic="median",
+        scale="log",
+        rank_z="z_loss",
         description="std of the ranks' local losses",
         title="Cross-rank loss spread",
         why="Level of disagreement between ranks' losses; 0 when every rank reads the same batch.",
     ),
     "loss_range": MetricSpec(
-        gated=True, statistic="p95", scale="log", rank_z="z_loss",
+        gated=True,
+        statistic="p95",
+        scale="log",
+        rank_z="z_loss",
         description="max - min of the ranks' local losses",
         title="Cross-rank loss range (spikes)",
         why="Catches a rank that is intermittently far off, which the median spread hides.",
     ),
     "grad_norm_std": MetricSpec(
-        gated=True, statistic="p95", scale="log", rank_z="z_grad_norm",
+        gated=True,
+        statistic="p95",
+        scale="log",
+        rank_z="z_grad_norm",
         description="std of the ranks' local gradient norms before the all-reduce",
         title="Cross-rank gradient-norm spread (spikes)",
         why="Spikes in gradient-norm disagreement (a bad batch or a loss-scale glitch on one rank).",
     ),
     "grad_norm_cv": MetricSpec(
-        gated=True, statistic="median", scale="log", rank_z="z_grad_norm",
+        gated=True,
+        statistic="median",
+        scale="log",
+        rank_z="z_grad_norm",
         description="coefficient of variation of the local gradient norms",
         title="Gradient-norm coefficient of variation",
         why="Scale-free level of gradient-norm disagreement; a loss-scale mismatch multiplies it.",
     ),
     "cosine_mean": MetricSpec(
-        gated=True, statistic="median", scale="linear", abs_floor=0.005, rank_z="z_cosine_to_mean",
+        gated=True,
+        statistic="median",
+        scale="linear",
+        abs_floor=0.005,
+        rank_z="z_cosine_to_mean",
         description="mean pairwise cosine between the ranks' local gradients",
         title="Mean pairwise gradient cosine",
         why="Goes to 1.0 when ranks compute the same gradient (collapsed effective batch), down when they diverge.",
     ),
     "cosine_min": MetricSpec(
-        gated=False, statistic="median", scale="linear", abs_floor=0.005, rank_z="z_cosine_to_mean",
+        gated=False,
+        statistic="median",
+        scale="linear",
+        abs_floor=0.005,
+        rank_z="z_cosine_to_mean",
         description="lowest pairwise cosine between local gradients",
         title="Lowest pairwise gradient cosine",
         why="Not gated: the same signal as cosine_to_mean_min, but a min over n(n-1)/2 pairs (noisier) that names a "
         "pair rather than a rank; gating it would also widen every envelope through the Bonferroni count.",
     ),
     "cosine_to_mean_min": MetricSpec(
-        gated=True, statistic="median", scale="linear", abs_floor=0.005, rank_z="z_cosine_to_mean",
+        gated=True,
+        statistic="median",
+        scale="linear",
+        abs_floor=0.005,
+        rank_z="z_cosine_to_mean",
         description="lowest cosine of a rank's local gradient to the averaged gradient",
         title="Lowest rank cosine to the mean gradient",
         why="One rank drifting from the consensus (different seed, data or loss scale).",
     ),
     "gradient_diversity": MetricSpec(
-        gated=True, statistic="median", scale="log", rank_z="z_cosine_to_mean",
+        gated=True,
+        statistic="median",
+        scale="log",
+        rank_z="z_cosine_to_mean",
         description="sum of squared local norms over squared norm of the sum (Yin et al.)",
         title="Gradient diversity",
         why="Falls to 1/N when all local gradients are equal.",
     ),
     "reduction_rel_error": MetricSpec(
-        gated=True, statistic="p95", scale="log", required=False,
+        gated=True,
+        statistic="p95",
+        scale="log",
+        required=False,
         description="relative L2 error of the all-reduced mean gradient against a float64 mean of the gathered local "
         "gradients, worst rank (reduction-check steps only)",
         title="All-reduce error vs a float64 mean",
@@ -129,21 +159,30 @@ METRICS: dict[str, MetricSpec] = {
         "moves it by orders of magnitude. Only measured when metrics.reduction_check_every > 0.",
     ),
     "noise_scale": MetricSpec(
-        gated=False, statistic="median", scale="linear",
+        gated=False,
+        statistic="median",
+        scale="linear",
         description="simple gradient noise scale B_simple (McCandlish et al.), per step",
         title="Gradient noise scale",
         why="Not gated: a ratio of two noisy estimates that goes negative or explodes when |G|^2 is small, and a "
         "function of the gradient dispersion the gated metrics already cover.",
     ),
     "loss_mean": MetricSpec(
-        gated=False, statistic="median", scale="log", rank_z="z_loss",
+        gated=False,
+        statistic="median",
+        scale="log",
+        rank_z="z_loss",
         description="mean of the ranks' local losses (the curve a dashboard shows)",
         title="Mean loss",
         why="Not gated: it measures training progress, not consistency; it moves with legitimate model or data "
         "changes and barely moves when every rank reads the same data.",
     ),
     "noise_scale_pooled": MetricSpec(
-        gated=False, statistic="median", scale="linear", per_step=False, title="Pooled gradient noise scale",
+        gated=False,
+        statistic="median",
+        scale="linear",
+        per_step=False,
+        title="Pooled gradient noise scale",
         description="B_simple as mean(tr Σ estimate) / mean(|G|² estimate) over the window, the stable form "
         "McCandlish et al. recommend (per-step ratios are noisy and can go negative)",
         why="Not gated: one number per window, and a function of the gradient dispersion the gated metrics cover.",
@@ -267,10 +306,19 @@ def fit_envelope(values: Sequence[float], spec: MetricSpec, multiplier: float) -
         except OverflowError:
             return fit_envelope(values, spec.model_copy(update={"scale": "linear"}), multiplier)
         if lower < mid < upper and math.isfinite(upper):
-            return Envelope(statistic=spec.statistic, scale="log", center=mid, lower=lower, upper=upper,
-                            sigma=sigma, k=multiplier, values=list(values))
+            return Envelope(
+                statistic=spec.statistic, scale="log", center=mid, lower=lower, upper=upper, sigma=sigma, k=multiplier, values=list(values)
+            )
         return fit_envelope(values, spec.model_copy(update={"scale": "linear"}), multiplier)
     if not math.isfinite(center + half) or not math.isfinite(center - half):
         raise ValueError(f"values too large to fit: {list(values)}")
-    return Envelope(statistic=spec.statistic, scale="linear", center=center, lower=center - half,
-                    upper=center + half, sigma=sigma, k=multiplier, values=list(values))
+    return Envelope(
+        statistic=spec.statistic,
+        scale="linear",
+        center=center,
+        lower=center - half,
+        upper=center + half,
+        sigma=sigma,
+        k=multiplier,
+        values=list(values),
+    )

@@ -76,14 +76,14 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
                 moment = "after seeding" if when == "rng_start" else "after the first step"
                 shared = f"{ranks_phrase(everyone)} share seed {ranks[0]['seed']}, but" if "seed" in fields else ""
                 odd = odd_ones_out(groups)
-                text = (f"{shared} the {generator} RNG state {moment} differs on {ranks_phrase(odd)} "
-                        f"(groups {partition_signature(groups)})").strip()
+                text = (
+                    f"{shared} the {generator} RNG state {moment} differs on {ranks_phrase(odd)} (groups {partition_signature(groups)})"
+                ).strip()
                 return AuditOutcome(False, text, f"{generator} {partition_signature(groups)}", tuple(odd), details)
     seed = f"seed {ranks[0]['seed']}" if "seed" in fields and ranks else "their seeds"
     unseeded = sorted(set(details.get("unseeded", ())))
     note = f" ({' and '.join(unseeded)} never seeded by the code: not judged)" if unseeded else ""
-    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding{note}",
-                        "shared", (), details)
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding{note}", "shared", (), details)
 
 
 # --------------------------------------------------------------------------- 3. parameter equality
@@ -109,8 +109,14 @@ def param_equality_audit(
     mismatched = [(step, rows) for step, rows in checks if len({tuple(r) for r in rows}) > 1]
     details: dict[str, Any] = {"check_steps": steps, "tensors": len(names), "mismatched_steps": [s for s, _ in mismatched]}
     if not mismatched:
-        return AuditOutcome(True, f"parameters are bit-identical on {ranks_phrase(range(world))} at all {len(steps)} "
-                            f"checks (steps {_steps_text(steps)}; {len(names)} tensors)", "equal", (), details)
+        return AuditOutcome(
+            True,
+            f"parameters are bit-identical on {ranks_phrase(range(world))} at all {len(steps)} "
+            f"checks (steps {_steps_text(steps)}; {len(names)} tensors)",
+            "equal",
+            (),
+            details,
+        )
     step, rows = mismatched[0]
     groups = group_ranks([tuple(r) for r in rows])
     odd = odd_ones_out(groups)
@@ -123,9 +129,11 @@ def param_equality_audit(
         lead += f" from the majority ({ranks_phrase(groups[0])})"
     else:
         lead = f"parameters split the ranks into {len(groups)} groups ({partition_signature(groups)}) with no majority"
-    message = (f"{lead} after step {step} (first differing tensor: {tensor}; {len(mismatched)}/{len(steps)} checks "
-               f"differ){_drift_text(drift, odd, details)}; DDP averages gradients, not parameters, so a rank-local "
-               f"optimizer or learning-rate difference is never corrected")
+    message = (
+        f"{lead} after step {step} (first differing tensor: {tensor}; {len(mismatched)}/{len(steps)} checks "
+        f"differ){_drift_text(drift, odd, details)}; DDP averages gradients, not parameters, so a rank-local "
+        f"optimizer or learning-rate difference is never corrected"
+    )
     return AuditOutcome(False, message, partition_signature(groups), tuple(odd), details)
 
 
@@ -141,8 +149,10 @@ def _drift_text(drift: Sequence[tuple[int, Sequence[float]]], odd: Sequence[int]
     if len(drift) == 1:
         return f"; rank {worst} is {last[worst]:.1e} of the parameters' norm from the mean at step {last_step}"
     verb = "grew" if last[worst] > first[worst] else "went"
-    return (f"; rank {worst}'s distance from the mean parameters {verb} from {first[worst]:.1e} (step {first_step}) "
-            f"to {last[worst]:.1e} (step {last_step}) of their norm")
+    return (
+        f"; rank {worst}'s distance from the mean parameters {verb} from {first[worst]:.1e} (step {first_step}) "
+        f"to {last[worst]:.1e} (step {last_step}) of their norm"
+    )
 
 
 def _steps_text(steps: Sequence[int]) -> str:
@@ -175,19 +185,26 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
     if not differing:
         first = table[0] if table else {}
         comm = sum(1 for k in first if k.startswith("env."))
-        summary = ", ".join(f"{k.removeprefix('versions.')} {first[k]}" for k in ("versions.python", "versions.torch",
-                                                                                   "versions.transformers") if k in first)
-        return AuditOutcome(True, f"{ranks_phrase(everyone)} agree on {summary}, device {first.get('device_name', '?')}, "
-                            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_ variables",
-                            "uniform", (), {"compared": len(keys)})
+        summary = ", ".join(
+            f"{k.removeprefix('versions.')} {first[k]}"
+            for k in ("versions.python", "versions.torch", "versions.transformers")
+            if k in first
+        )
+        return AuditOutcome(
+            True,
+            f"{ranks_phrase(everyone)} agree on {summary}, device {first.get('device_name', '?')}, "
+            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_ variables",
+            "uniform",
+            (),
+            {"compared": len(keys)},
+        )
     parts, blamed = [], set()
     for key, groups, values in differing:
         name = key.removeprefix("versions.")
         parts.append(f"{name} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups))
         blamed.update(odd_ones_out(groups))
     signature = "; ".join(f"{key} {partition_signature(groups)}" for key, groups, _ in differing)
-    return AuditOutcome(False, "; ".join(parts), signature, tuple(sorted(blamed)),
-                        {"differing": [key for key, _, _ in differing]})
+    return AuditOutcome(False, "; ".join(parts), signature, tuple(sorted(blamed)), {"differing": [key for key, _, _ in differing]})
 
 
 def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:
@@ -216,13 +233,19 @@ def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sample
     if not events and sampled_steps == 0:
         return AuditOutcome(True, "not measured: no step was measured", "unchecked", (), measured=False)
     if not events:
-        return AuditOutcome(True, f"losses and local gradients stayed finite on {ranks_phrase(range(world_size))} "
-                            f"at every sampled step", "finite", ())
+        return AuditOutcome(
+            True, f"losses and local gradients stayed finite on {ranks_phrase(range(world_size))} at every sampled step", "finite", ()
+        )
     ordered = sorted(events, key=lambda e: (e["step"], e["rank"]))
     parts = [f"rank {e['rank']}'s {e['what']} went NaN/Inf first at step {e['step']}" for e in ordered]
     ranks = sorted({e["rank"] for e in ordered})
-    return AuditOutcome(False, "; ".join(parts) + " (the probe stopped there)", f"nonfinite {rank_span(ranks)}",
-                        tuple(ranks), {"events": [dict(e) for e in ordered]})
+    return AuditOutcome(
+        False,
+        "; ".join(parts) + " (the probe stopped there)",
+        f"nonfinite {rank_span(ranks)}",
+        tuple(ranks),
+        {"events": [dict(e) for e in ordered]},
+    )
 
 
 # --------------------------------------------------------------------------- 6. reduction numerics
@@ -239,22 +262,37 @@ def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> Audit
     """
     checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
     if not checked:
-        return AuditOutcome(True, "not measured: reduction numerics not checked (metrics.reduction_check_every is 0 "
-                            "or no finite check step)", "unchecked", (), measured=False)
+        return AuditOutcome(
+            True,
+            "not measured: reduction numerics not checked (metrics.reduction_check_every is 0 or no finite check step)",
+            "unchecked",
+            (),
+            measured=False,
+        )
     worst = max(checked, key=lambda r: r["reduction_bound_ratio"])
     max_error = max(r["reduction_rel_error"] for r in checked)
-    details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error,
-               "max_bound_ratio": worst["reduction_bound_ratio"]}
+    details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error, "max_bound_ratio": worst["reduction_bound_ratio"]}
     if worst["reduction_bound_ratio"] <= 1:
-        return AuditOutcome(True, f"the all-reduced gradient matches the float64 mean of the local gradients on "
-                            f"{ranks_phrase(range(world_size))} within rounding: max relative error {max_error:.2g} over "
-                            f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
-                            f"worst-case rounding bound", "within-bound", (), details)
+        return AuditOutcome(
+            True,
+            f"the all-reduced gradient matches the float64 mean of the local gradients on "
+            f"{ranks_phrase(range(world_size))} within rounding: max relative error {max_error:.2g} over "
+            f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
+            f"worst-case rounding bound",
+            "within-bound",
+            (),
+            details,
+        )
     rank = worst.get("reduction_worst_rank")
     ranks = (int(rank),) if rank is not None and is_finite_number(rank) else ()
     who = f" on rank {ranks[0]}" if ranks else ""
-    return AuditOutcome(False, f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
-                        f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
-                        f"{worst['reduction_bound_ratio']:.3g}x the worst case of rounding a correct sum over "
-                        f"{world_size} ranks: a lossy reduction (e.g. bf16 compression) or a corrupted one",
-                        "exceeds-bound", ranks, details)
+    return AuditOutcome(
+        False,
+        f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
+        f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
+        f"{worst['reduction_bound_ratio']:.3g}x the worst case of rounding a correct sum over "
+        f"{world_size} ranks: a lossy reduction (e.g. bf16 compression) or a corrupted one",
+        "exceeds-bound",
+        ranks,
+        details,
+    )

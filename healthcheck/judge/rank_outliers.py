@@ -22,9 +22,7 @@ from healthcheck.judge.stats import binomial_tail, sign_test_p
 # --------------------------------------------------------------------------- stragglers
 
 
-def straggler_audit(
-    compute_ms: Mapping[int, Sequence[float | None]], factor: float, max_p: float, skip_steps: int = 2
-) -> AuditOutcome:
+def straggler_audit(compute_ms: Mapping[int, Sequence[float | None]], factor: float, max_p: float, skip_steps: int = 2) -> AuditOutcome:
     """Flag a rank persistently slower than the others: median and persistence, never a single step.
 
     Per step, each rank's step time is divided by the median of the *other* ranks' (so one slow
@@ -49,18 +47,30 @@ def straggler_audit(
     slower = {r: sum(1 for x in v if x > 1) for r, v in ratios.items()}
     counts = {r: len(v) for r, v in ratios.items()}
     p_values = {r: sign_test_p(slower[r], counts[r]) for r in counts}
-    details = {"median_ratio": {str(r): round(median_ratio[r], 4) for r in sorted(median_ratio)},
-               "slower_steps": {str(r): slower[r] for r in sorted(slower)}, "steps": max(counts.values()),
-               "factor": factor, "max_p": max_p}
+    details = {
+        "median_ratio": {str(r): round(median_ratio[r], 4) for r in sorted(median_ratio)},
+        "slower_steps": {str(r): slower[r] for r in sorted(slower)},
+        "steps": max(counts.values()),
+        "factor": factor,
+        "max_p": max_p,
+    }
     flagged = [r for r in sorted(median_ratio) if median_ratio[r] >= factor and p_values[r] <= max_p]
     rule = f"threshold {factor:g}x, persistent at sign-test p <= {max_p:g}"
     if not flagged:
         slowest = max(median_ratio, key=lambda r: (median_ratio[r], -r))
-        return AuditOutcome(True, f"no persistent straggler: the slowest rank ({slowest}) runs at "
-                            f"{median_ratio[slowest]:.3f}x the other ranks' median step time ({rule})", "none", (),
-                            details)
-    parts = [f"rank {r} is persistently slower: its step time is {median_ratio[r]:.3f}x the other ranks' median "
-             f"(slower in {slower[r]}/{counts[r]} steps, p = {p_values[r]:.1g})" for r in flagged]
+        return AuditOutcome(
+            True,
+            f"no persistent straggler: the slowest rank ({slowest}) runs at "
+            f"{median_ratio[slowest]:.3f}x the other ranks' median step time ({rule})",
+            "none",
+            (),
+            details,
+        )
+    parts = [
+        f"rank {r} is persistently slower: its step time is {median_ratio[r]:.3f}x the other ranks' median "
+        f"(slower in {slower[r]}/{counts[r]} steps, p = {p_values[r]:.1g})"
+        for r in flagged
+    ]
     return AuditOutcome(False, "; ".join(parts) + f"; {rule}", f"slow {rank_span(flagged)}", tuple(flagged), details)
 
 
@@ -128,8 +138,7 @@ def rank_outlier_audit(per_step: Mapping[int, Mapping[str, Sequence[float | None
                 if len(holders) == 1:
                     counts[holders[0]] += 1
     if not counted:
-        return AuditOutcome(True, "not measured: too few sampled steps to compare the ranks", "insufficient", (),
-                            measured=False)
+        return AuditOutcome(True, "not measured: too few sampled steps to compare the ranks", "insufficient", (), measured=False)
     findings = []
     for (metric, side), counts in hits.items():
         n = counted[metric]
@@ -139,14 +148,25 @@ def rank_outlier_audit(per_step: Mapping[int, Mapping[str, Sequence[float | None
                 findings.append((rank, metric, side, k, n, p))
     details: dict[str, Any] = {"steps": max(counted.values()), "max_p": max_p}
     if not findings:
-        return AuditOutcome(True, f"no rank stands out: each of the {world} ranks held a metric's extreme about as "
-                            f"often as chance (1/{world} of steps) allows", "exchangeable", (), details)
+        return AuditOutcome(
+            True,
+            f"no rank stands out: each of the {world} ranks held a metric's extreme about as often as chance (1/{world} of steps) allows",
+            "exchangeable",
+            (),
+            details,
+        )
     findings.sort(key=lambda f: (f[5], f[0]))
     ranks = sorted({f[0] for f in findings})
-    parts = [f"rank {r} had the {side} {metric.replace('_', ' ')} in {k}/{n} steps (p = {p:.1g})"
-             for r, metric, side, k, n, p in findings[:4]]
+    parts = [
+        f"rank {r} had the {side} {metric.replace('_', ' ')} in {k}/{n} steps (p = {p:.1g})" for r, metric, side, k, n, p in findings[:4]
+    ]
     more = f" and {len(findings) - 4} more" if len(findings) > 4 else ""
     details["findings"] = [{"rank": r, "metric": m, "side": sd, "steps": k, "of": n, "p": p} for r, m, sd, k, n, p in findings]
     signature = "; ".join(sorted({f"{m} {sd} {r}" for r, m, sd, _, _, _ in findings}))
-    return AuditOutcome(False, "; ".join(parts) + more + f"; expected about 1/{world} of steps for ranks reading "
-                        f"shards of one dataset with the same code", signature, tuple(ranks), details)
+    return AuditOutcome(
+        False,
+        "; ".join(parts) + more + f"; expected about 1/{world} of steps for ranks reading shards of one dataset with the same code",
+        signature,
+        tuple(ranks),
+        details,
+    )

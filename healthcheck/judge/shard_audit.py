@@ -90,67 +90,110 @@ def data_shard_audit(
     departures = {r: dep for r in range(world) if (dep := _rank_departure(per_rank[r], r, plan)) is not None}
     repeats = {r: eps for r in range(world) if (eps := _epochs_repeating_epoch0(per_rank[r], r, plan))}
     epochs = sorted({e for rank in per_rank for e in rank})
-    details = {"samples_per_rank": totals, "shared_per_rank": shared, "coverage": round(coverage, 6),
-               "epochs": len(epochs), "departures": {str(r): list(d) for r, d in departures.items()}}
+    details = {
+        "samples_per_rank": totals,
+        "shared_per_rank": shared,
+        "coverage": round(coverage, 6),
+        "epochs": len(epochs),
+        "departures": {str(r): list(d) for r, d in departures.items()},
+    }
     everyone = list(range(world))
     worst = max(everyone, key=lambda r: (shared[r], -r))
-    overlap_text = (f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples with other ranks; "
-                    f"expected 0")
+    overlap_text = f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples with other ranks; expected 0"
     if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone):
-        return AuditOutcome(False, f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
-                            f"sequences ({overlap_text}; the effective batch collapsed to one rank's)",
-                            "identical", tuple(everyone), details)
+        return AuditOutcome(
+            False,
+            f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
+            f"sequences ({overlap_text}; the effective batch collapsed to one rank's)",
+            "identical",
+            tuple(everyone),
+            details,
+        )
     if repeats:
         repeated = sorted({e for eps in repeats.values() for e in eps})
         label = f"epoch {repeated[0]}" if len(repeated) == 1 else f"epochs {rank_span(repeated)}"
         verb = "repeats" if len(repeated) == 1 else "repeat"
-        return AuditOutcome(False, f"missing set_epoch: {label} {verb} epoch 0's order on {ranks_phrase(repeats)} "
-                            f"(the sampler was never told the epoch); coverage of the planned order "
-                            f"{coverage:.0%}", f"repeats-epoch-0 {rank_span(repeats)}", tuple(sorted(repeats)), details)
+        return AuditOutcome(
+            False,
+            f"missing set_epoch: {label} {verb} epoch 0's order on {ranks_phrase(repeats)} "
+            f"(the sampler was never told the epoch); coverage of the planned order "
+            f"{coverage:.0%}",
+            f"repeats-epoch-0 {rank_span(repeats)}",
+            tuple(sorted(repeats)),
+            details,
+        )
     if departures:
         first = min(departures)
         epoch, index = departures[first]
         where = "from its first sample" if (epoch, index) == (0, 0) else f"at epoch {epoch}, sample {index}"
         who = ranks_phrase(departures)
         verb = "departs" if len(departures) == 1 else "depart"
-        message = (f"{who} sampler order {verb} from the plan (the shared-seed DistributedSampler order) "
-                   f"{where}: a rank-specific sampler seed or shard; {overlap_text}; coverage of the planned order "
-                   f"{coverage:.0%}")
+        message = (
+            f"{who} sampler order {verb} from the plan (the shared-seed DistributedSampler order) "
+            f"{where}: a rank-specific sampler seed or shard; {overlap_text}; coverage of the planned order "
+            f"{coverage:.0%}"
+        )
         if len(departures) == 1:
             message = message.replace(f"{who} sampler", f"{who}'s sampler", 1)
         return AuditOutcome(False, message, f"departs {rank_span(departures)}", tuple(sorted(departures)), details)
     if any(shared):
         overlapping = [r for r in everyone if shared[r]]
-        return AuditOutcome(False, f"{overlap_text}; coverage of the planned order {coverage:.0%}",
-                            f"overlap {rank_span(overlapping)}", tuple(overlapping), details)
+        return AuditOutcome(
+            False,
+            f"{overlap_text}; coverage of the planned order {coverage:.0%}",
+            f"overlap {rank_span(overlapping)}",
+            tuple(overlapping),
+            details,
+        )
     if coverage < 1:
-        return AuditOutcome(False, f"the ranks covered {coverage:.1%} of the planned samples; expected 100%",
-                            "partial-coverage", (), details)
-    return AuditOutcome(True, f"{ranks_phrase(everyone)} read disjoint shards in the planned order "
-                        f"({sum(totals)} samples over {len(epochs)} epoch{'s' if len(epochs) != 1 else ''}, "
-                        f"100% coverage)", "disjoint", (), details)
+        return AuditOutcome(
+            False, f"the ranks covered {coverage:.1%} of the planned samples; expected 100%", "partial-coverage", (), details
+        )
+    return AuditOutcome(
+        True,
+        f"{ranks_phrase(everyone)} read disjoint shards in the planned order "
+        f"({sum(totals)} samples over {len(epochs)} epoch{'s' if len(epochs) != 1 else ''}, "
+        f"100% coverage)",
+        "disjoint",
+        (),
+        details,
+    )
 
 
-def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int],
-                  shared: Sequence[int]) -> AuditOutcome:
+def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int], shared: Sequence[int]) -> AuditOutcome:
     """Identical or overlapping shards, judged without a sampler plan to compare the order with."""
     world = len(per_rank)
     everyone = list(range(world))
     epochs = sorted({e for rank in per_rank for e in rank})
     details = {"samples_per_rank": list(totals), "shared_per_rank": list(shared), "epochs": len(epochs), "plan": None}
     if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone):
-        return AuditOutcome(False, f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
-                            "sequences (the effective batch collapsed to one rank's)", "identical", tuple(everyone),
-                            details)
+        return AuditOutcome(
+            False,
+            f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
+            "sequences (the effective batch collapsed to one rank's)",
+            "identical",
+            tuple(everyone),
+            details,
+        )
     if any(shared):
         overlapping = [r for r in everyone if shared[r]]
         worst = max(everyone, key=lambda r: (shared[r], -r))
-        return AuditOutcome(False, f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples "
-                            f"with other ranks within an epoch; expected 0", f"overlap {rank_span(overlapping)}",
-                            tuple(overlapping), details)
-    return AuditOutcome(True, f"{ranks_phrase(everyone)} read disjoint shards ({sum(totals)} samples over "
-                        f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}); the order was not checked: no "
-                        "DistributedSampler to rebuild it from", "disjoint", (), details)
+        return AuditOutcome(
+            False,
+            f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples with other ranks within an epoch; expected 0",
+            f"overlap {rank_span(overlapping)}",
+            tuple(overlapping),
+            details,
+        )
+    return AuditOutcome(
+        True,
+        f"{ranks_phrase(everyone)} read disjoint shards ({sum(totals)} samples over "
+        f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}); the order was not checked: no "
+        "DistributedSampler to rebuild it from",
+        "disjoint",
+        (),
+        details,
+    )
 
 
 def _rank_departure(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> tuple[int, int] | None:

@@ -26,9 +26,11 @@ def _mean(values: Iterable[Any]) -> float | None:
 
 def summarize_metrics(aggregates: list[dict[str, Any]], window_start: int) -> tuple[dict[str, MetricSummary], int]:
     window = [row for row in aggregates if row["step"] >= window_start]
-    summary = {name: MetricSummary(**window_summary(row.get(name) for row in window),
-                                   n=len(finite_values(row.get(name) for row in window)))
-               for name, spec in METRICS.items() if spec.per_step}
+    summary = {
+        name: MetricSummary(**window_summary(row.get(name) for row in window), n=len(finite_values(row.get(name) for row in window)))
+        for name, spec in METRICS.items()
+        if spec.per_step
+    }
     summary["noise_scale_pooled"] = pooled_noise_scale(window)
     return summary, len(window)
 

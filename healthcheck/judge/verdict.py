@@ -57,8 +57,14 @@ class EnvelopeCheck:
         env, spec = self.envelope, METRICS.get(self.metric)
         summary = result.summary.get(self.metric)
         observed = getattr(summary, env.statistic) if summary is not None else None
-        base = dict(check=f"envelope.{self.metric}", title=spec.title if spec else self.metric, metric=self.metric,
-                    statistic=env.statistic, lower=env.lower, upper=env.upper)
+        base = dict(
+            check=f"envelope.{self.metric}",
+            title=spec.title if spec else self.metric,
+            metric=self.metric,
+            statistic=env.statistic,
+            lower=env.lower,
+            upper=env.upper,
+        )
         label = f"{self.metric} {env.statistic}"
         if observed is None or not math.isfinite(observed):
             what = "missing from the result (the probe did not record it)" if observed is None else f"not finite ({observed})"
@@ -118,15 +124,27 @@ class AuditCheck:
         title = self.name.replace("_", " ")
         if not entry.passed and self.approved is not None and entry.signature == self.approved:
             details["approved_signature"] = self.approved
-            return Finding(check=f"audit.{self.name}", title=title, passed=True, ranks=entry.ranks, details=details,
-                           message=f"approved deviation (baseline audits.{self.name} = {self.approved!r}): {entry.message}")
+            return Finding(
+                check=f"audit.{self.name}",
+                title=title,
+                passed=True,
+                ranks=entry.ranks,
+                details=details,
+                message=f"approved deviation (baseline audits.{self.name} = {self.approved!r}): {entry.message}",
+            )
         if not entry.passed and self.approved is not None:
             details["approved_signature"] = self.approved
             message = f"{entry.message} (the baseline approves only {self.approved!r}, observed {entry.signature!r})"
-            return Finding(check=f"audit.{self.name}", title=title, passed=False, message=message, ranks=entry.ranks,
-                           details=details)
-        return Finding(check=f"audit.{self.name}", title=title, passed=entry.passed, message=entry.message,
-                       ranks=entry.ranks, measured=entry.measured, details=details)
+            return Finding(check=f"audit.{self.name}", title=title, passed=False, message=message, ranks=entry.ranks, details=details)
+        return Finding(
+            check=f"audit.{self.name}",
+            title=title,
+            passed=entry.passed,
+            message=entry.message,
+            ranks=entry.ranks,
+            measured=entry.measured,
+            details=details,
+        )
 
 
 # --------------------------------------------------------------------------- verdict
@@ -137,13 +155,16 @@ def _layout_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
     if env is None:
         return "the run has no environment record, so its world size and device type are unknown"
     if (env.world_size, env.device_type) != (baseline.world_size, baseline.device_type):
-        return (f"baseline was recorded with world_size {baseline.world_size} on {baseline.device_type}, "
-                f"this run has world_size {env.world_size} on {env.device_type}")
+        return (
+            f"baseline was recorded with world_size {baseline.world_size} on {baseline.device_type}, "
+            f"this run has world_size {env.world_size} on {env.device_type}"
+        )
     return None
 
 
-def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False,
-          record_hint: Optional[str] = None) -> Verdict:
+def judge(
+    result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False, record_hint: Optional[str] = None
+) -> Verdict:
     """Check every envelope and audit, diff the configs, and collect one verdict.
 
     Raises:
@@ -152,13 +173,16 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
             ``force`` is False (exit 2).
     """
     if result.status != "complete":
-        raise ProbeFailed(f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); "
-                          f"an unfinished probe is not judged")
+        raise ProbeFailed(
+            f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); an unfinished probe is not judged"
+        )
     notes = []
     mismatch = _layout_mismatch(result, baseline)
     if mismatch and not force:
-        raise BaselineError(f"{baseline_path or 'baseline'}: {mismatch}; envelopes do not transfer across layouts. "
-                            f"Re-record for this layout ({record_hint or record_command()}) or pass --force to compare anyway")
+        raise BaselineError(
+            f"{baseline_path or 'baseline'}: {mismatch}; envelopes do not transfer across layouts. "
+            f"Re-record for this layout ({record_hint or record_command()}) or pass --force to compare anyway"
+        )
     if mismatch:
         notes.append(f"forced comparison: {mismatch}; the envelopes may not apply to this layout")
     if baseline.name != result.name:
@@ -171,8 +195,14 @@ def judge(result: RunResult, baseline: Baseline, *, baseline_path: Optional[str]
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
-    return Verdict.collect(findings, baseline_path=baseline_path, forced=mismatch is not None, notes=notes, config_diff=diff,
-                           stopped_early=result.stopped_early.headline() if result.stopped_early else None)
+    return Verdict.collect(
+        findings,
+        baseline_path=baseline_path,
+        forced=mismatch is not None,
+        notes=notes,
+        config_diff=diff,
+        stopped_early=result.stopped_early.headline() if result.stopped_early else None,
+    )
 
 
 def _stopped_early_notes(result: RunResult, findings: list[Finding], envelopes: int = 0) -> list[str]:
@@ -187,8 +217,10 @@ def _stopped_early_notes(result: RunResult, findings: list[Finding], envelopes: 
     if all(f.passed for f in findings):
         findings.append(Finding(check="fail_fast", title="Fail fast", passed=False, message=f"{stop.headline()}: {stop.message}"))
     skipped = f"its {envelopes} statistical envelopes were not judged" if envelopes else "no statistical envelope was judged"
-    return [f"{stop.headline()} ({result.steps_completed} of {result.steps_planned} steps ran): {skipped} on a truncated "
-            f"window; rerun with --no-fail-fast to see them"]
+    return [
+        f"{stop.headline()} ({result.steps_completed} of {result.steps_planned} steps ran): {skipped} on a truncated "
+        f"window; rerun with --no-fail-fast to see them"
+    ]
 
 
 def judge_audits_only(result: RunResult) -> Verdict:
@@ -198,15 +230,17 @@ def judge_audits_only(result: RunResult) -> Verdict:
     would show it (disjoint shards, shared seeds, equal parameters, ...). No envelope is judged.
     """
     if result.status != "complete":
-        raise ProbeFailed(f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); "
-                          f"an unfinished probe is not judged")
+        raise ProbeFailed(
+            f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); an unfinished probe is not judged"
+        )
     notes = ["audits only: no baseline envelope was judged; each audit was judged against its ideal expectation"]
     findings = [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
     notes += _stopped_early_notes(result, findings)
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
-    return Verdict.collect(findings, notes=notes, audits_only=True,
-                           stopped_early=result.stopped_early.headline() if result.stopped_early else None)
+    return Verdict.collect(
+        findings, notes=notes, audits_only=True, stopped_early=result.stopped_early.headline() if result.stopped_early else None
+    )
 
 
 def write_verdict(run_dir: Path | str, verdict: Verdict) -> Path:
@@ -218,6 +252,4 @@ def write_verdict(run_dir: Path | str, verdict: Verdict) -> Path:
 
 def load_verdict(run_dir: Path | str) -> Verdict:
     """Read ``RUN_DIR/verdict.json`` or raise a one-line :class:`InvalidInput` (exit 2)."""
-    return read_model_file(
-        Path(run_dir) / VERDICT_FILE, Verdict, "the run has not been judged against a baseline yet"
-    )
+    return read_model_file(Path(run_dir) / VERDICT_FILE, Verdict, "the run has not been judged against a baseline yet")

@@ -239,9 +239,7 @@ def batch_sizes(per_rank_tokens: Sequence[float] | None, world_size: int) -> tup
     return 1.0, float(world_size), "batches"
 
 
-def noise_scale_estimators(
-    small_sqnorm: float, big_sqnorm: float, b_small: float, b_big: float
-) -> tuple[float, float, float]:
+def noise_scale_estimators(small_sqnorm: float, big_sqnorm: float, b_small: float, b_big: float) -> tuple[float, float, float]:
     """Unbiased |G|² and tr(Σ) estimates and B_simple (McCandlish et al. 2018, appendix A).
 
     ``small_sqnorm`` is |G_small|² = mean_i ‖g_i‖² (per-rank gradients, batch ``b_small``) and

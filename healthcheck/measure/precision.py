@@ -31,8 +31,7 @@ def dot_fp32(a: Any, b: Any) -> Any:
         return torch.dot(a, b)
     step = FP32_UPCAST_CHUNK_NUMEL
     partials = [
-        torch.dot(a[start : start + step].to(acc_dtype), b[start : start + step].to(acc_dtype))
-        for start in range(0, a.numel(), step)
+        torch.dot(a[start : start + step].to(acc_dtype), b[start : start + step].to(acc_dtype)) for start in range(0, a.numel(), step)
     ]
     if not partials:
         return torch.zeros((), dtype=acc_dtype, device=a.device)

@@ -54,10 +54,10 @@ import torch
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 
-DEFAULT_CHUNK = 1 << 20     # target chunk / sign-table length T
-MIN_SEGMENTS = 16           # default m keeps >= this many segments per chunk
-MAX_M = 16                  # and never folds deeper than this
-_LOOP_MIN_P = 8192          # CPU: rotate long rows with slice-adds instead of a gather
+DEFAULT_CHUNK = 1 << 20  # target chunk / sign-table length T
+MIN_SEGMENTS = 16  # default m keeps >= this many segments per chunk
+MAX_M = 16  # and never folds deeper than this
+_LOOP_MIN_P = 8192  # CPU: rotate long rows with slice-adds instead of a gather
 
 
 # --------------------------------------------------------------------------------------
@@ -114,12 +114,12 @@ def largest_prime_leq(k: int) -> int:
 class Layout:
     """Sizes of the fold, a function of (k, m, chunk) only: never of the model."""
 
-    k: int      # requested sketch size
-    p: int      # bins actually used (largest prime <= k); sketch length
-    m: int      # fold depth: a segment is L = m*p elements
-    G: int      # segments per chunk
-    L: int      # segment length
-    T: int      # chunk length == sign-table length
+    k: int  # requested sketch size
+    p: int  # bins actually used (largest prime <= k); sketch length
+    m: int  # fold depth: a segment is L = m*p elements
+    G: int  # segments per chunk
+    L: int  # segment length
+    T: int  # chunk length == sign-table length
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,7 +171,7 @@ def sign_table(seed: int, T: int, device: Any, dtype: Any = torch.float32) -> An
     tab = _TABLES.get(key)
     if tab is None:
         K = _key(seed, T, 0x7A7)
-        nw = (T + 31) // 32                     # one 32-bit hash word gives 32 signs
+        nw = (T + 31) // 32  # one 32-bit hash word gives 32 signs
         w = torch.arange(nw, dtype=torch.int64, device=dev)
         w = _fmix32(_fmix32(w ^ (K & _M32)) ^ (K >> 32))
         bits = (w[:, None] >> torch.arange(32, dtype=torch.int64, device=dev)) & 1
@@ -186,16 +186,15 @@ def sign_table(seed: int, T: int, device: Any, dtype: Any = torch.float32) -> An
 @functools.lru_cache(maxsize=64)
 def _aranges(p: int, G: int, device: str) -> tuple[Any, Any]:
     dev = torch.device(device)
-    return (torch.arange(p, dtype=torch.int64, device=dev),
-            torch.arange(G, dtype=torch.int64, device=dev))
+    return (torch.arange(p, dtype=torch.int64, device=dev), torch.arange(G, dtype=torch.int64, device=dev))
 
 
 def _chunk_params(seed: int, bucket_id: int, c: int, lay: Layout) -> tuple[int, float, int, int]:
     h1 = _key(seed, bucket_id, c, 1)
     h2 = _splitmix64(h1)
-    o = h1 % lay.T                      # table offset
+    o = h1 % lay.T  # table offset
     eps = 1.0 if (h1 >> 63) & 1 else -1.0  # chunk sign
-    a = h2 % lay.p                      # rotation rule r_g = (a*g + b) mod p
+    a = h2 % lay.p  # rotation rule r_g = (a*g + b) mod p
     b = (h2 >> 32) % lay.p
     return o, eps, a, b
 
@@ -203,8 +202,17 @@ def _chunk_params(seed: int, bucket_id: int, c: int, lay: Layout) -> tuple[int, 
 # --------------------------------------------------------------------------------------
 # the sketch
 # --------------------------------------------------------------------------------------
-def sketch_bucket(x: Any, *, k: int, seed: int, bucket_id: int, out: Optional[Any] = None, start: int = 0,
-                  m: Optional[int] = None, chunk: Optional[int] = None) -> Any:
+def sketch_bucket(
+    x: Any,
+    *,
+    k: int,
+    seed: int,
+    bucket_id: int,
+    out: Optional[Any] = None,
+    start: int = 0,
+    m: Optional[int] = None,
+    chunk: Optional[int] = None,
+) -> Any:
     """Sketch a flat gradient bucket (any float dtype, any device) into R^p, p = sketch_dim(k).
 
     Args:
@@ -235,20 +243,20 @@ def sketch_bucket(x: Any, *, k: int, seed: int, bucket_id: int, out: Optional[An
         o, eps, a, b = _chunk_params(seed, bucket_id, c, lay)
         g, u = divmod(t, L)
         j = 0
-        if u:                                   # head: partial segment
+        if u:  # head: partial segment
             h = min(take, L - u)
-            _partial(acc, x[i:i + h], tau2, o + t, u, g, a, b, eps, p)
+            _partial(acc, x[i : i + h], tau2, o + t, u, g, a, b, eps, p)
             j, g = h, g + 1
         nb = (take - j) // L
-        if nb:                                  # body: nb full segments
-            xs = x[i + j:i + j + nb * L]
+        if nb:  # body: nb full segments
+            xs = x[i + j : i + j + nb * L]
             s0 = o + g * L
-            F = (xs * tau2[s0:s0 + nb * L]).view(nb, mm, p).sum(1, dtype=torch.float32)
+            F = (xs * tau2[s0 : s0 + nb * L]).view(nb, mm, p).sum(1, dtype=torch.float32)
             _rotate_add(acc, F, g, a, b, eps, parange, garange)
             j += nb * L
             g += nb
-        if j < take:                            # tail: partial segment
-            _partial(acc, x[i + j:i + take], tau2, o + g * L, 0, g, a, b, eps, p)
+        if j < take:  # tail: partial segment
+            _partial(acc, x[i + j : i + take], tau2, o + g * L, 0, g, a, b, eps, p)
         i += take
     if out is None:
         return acc
@@ -265,20 +273,20 @@ def _rotate_add(acc: Any, F: Any, g0: int, a: int, b: int, eps: float, parange: 
         for q in range(nb):
             r = (a * (g0 + q) + b) % p
             if r:
-                acc[r:].add_(F[q, :p - r], alpha=eps)
-                acc[:r].add_(F[q, p - r:], alpha=eps)
+                acc[r:].add_(F[q, : p - r], alpha=eps)
+                acc[:r].add_(F[q, p - r :], alpha=eps)
             else:
                 acc.add_(F[q], alpha=eps)
         return
-    r = (garange[g0:g0 + nb] * a + b) % p                 # per-segment rotations, [nb]
-    idx = (p - r)[:, None] + parange                      # [nb, p] int64, values in [1, 2p)
+    r = (garange[g0 : g0 + nb] * a + b) % p  # per-segment rotations, [nb]
+    idx = (p - r)[:, None] + parange  # [nb, p] int64, values in [1, 2p)
     acc.add_(torch.gather(torch.cat([F, F], 1), 1, idx).sum(0), alpha=eps)
 
 
 def _partial(acc: Any, xs: Any, tau2: Any, s0: int, u: int, g: int, a: int, b: int, eps: float, p: int) -> None:
     """Elements xs occupy segment positions [u, u+len) of segment g (signs from tau2[s0:])."""
     h = xs.numel()
-    prod = (xs * tau2[s0:s0 + h]).float()
+    prod = (xs * tau2[s0 : s0 + h]).float()
     lead = u % p
     tot = lead + h
     trail = (-tot) % p

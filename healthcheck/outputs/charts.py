@@ -70,7 +70,8 @@ def loss_chart(
     xs = list(mean)
     lines = [
         Line(f"rank {rank}", [(s, values.get(s)) for s in xs], colour=RANK_COLOUR, legend="each rank")
-        for rank, values in per_rank.items() if rank not in standouts
+        for rank, values in per_rank.items()
+        if rank not in standouts
     ]
     lines.append(Line("global mean", list(mean.items()), role="reference", legend="global mean"))
     lines += [
@@ -78,11 +79,21 @@ def loss_chart(
         for rank in standouts
     ]
     stop, x_max = _stop(result, xs[-1])
-    svg = line_chart(lines, title=f"training loss per rank ({len(per_rank)} ranks)", y_label="loss (nats/token)",
-                     warmup=_warmup(result, xs[0]), stop=stop, x_max=x_max, cid="chart-loss")
+    svg = line_chart(
+        lines,
+        title=f"training loss per rank ({len(per_rank)} ranks)",
+        y_label="loss (nats/token)",
+        warmup=_warmup(result, xs[0]),
+        stop=stop,
+        x_max=x_max,
+        cid="chart-loss",
+    )
     named = ", ".join(f"rank {r}" for r in standouts)
-    caption = (f"{named} in red: stands out against the other ranks. " if standouts else "") + (
-        "Black: the global mean, the smooth curve a dashboard shows.") + (" Grey: warmup, not judged." if _warmup(result, xs[0]) else "")
+    caption = (
+        (f"{named} in red: stands out against the other ranks. " if standouts else "")
+        + ("Black: the global mean, the smooth curve a dashboard shows.")
+        + (" Grey: warmup, not judged." if _warmup(result, xs[0]) else "")
+    )
     return Chart("chart-loss", False, caption, svg)
 
 
@@ -99,15 +110,31 @@ def dispersion_charts(result: RunResult, verdict: Optional[Verdict], aggregates:
         for finding in findings_for(verdict, key):
             observed = finding.observed if finding.observed is not None else math.nan
             state = "inside" if finding.passed else "OUTSIDE"
-            bands.append(Band(
-                finding.lower, finding.upper, result.window_start_step, window_end, f"envelope of the window {finding.statistic}",
-                observed=observed, observed_label=f"window {finding.statistic} = {observed:.3g} ({state})", passed=finding.passed,
-            ))
+            bands.append(
+                Band(
+                    finding.lower,
+                    finding.upper,
+                    result.window_start_step,
+                    window_end,
+                    f"envelope of the window {finding.statistic}",
+                    observed=observed,
+                    observed_label=f"window {finding.statistic} = {observed:.3g} ({state})",
+                    passed=finding.passed,
+                )
+            )
         failed = any(not band.passed for band in bands)
         note = "" if verdict else " (not judged)"
-        svg = line_chart([Line(key, panel_points(aggregates, key), role="reference", legend="per step")],
-                         title=f"{label}{note}", y_label=key, warmup=_warmup(result, all_steps[0]), bands=bands,
-                         stop=stop, x_max=x_max, height=260, cid=f"chart-{key}")
+        svg = line_chart(
+            [Line(key, panel_points(aggregates, key), role="reference", legend="per step")],
+            title=f"{label}{note}",
+            y_label=key,
+            warmup=_warmup(result, all_steps[0]),
+            bands=bands,
+            stop=stop,
+            x_max=x_max,
+            height=260,
+            cid=f"chart-{key}",
+        )
         if bands:
             caption = "; ".join(band.observed_label for band in bands) + ". The envelope bounds the window statistic, not single steps."
         else:
@@ -123,10 +150,20 @@ def cosine_chart(result: RunResult, aggregates: Sequence[Mapping[str, Any]], sta
         return None
     low, high = cosine_scale(matrix)
     cells: list[list[Optional[float]]] = [[None if i == j else v for j, v in enumerate(row)] for i, row in enumerate(matrix)]
-    svg = heatmap(cells, labels=[str(r) for r in range(len(matrix))], vmin=low, vmax=high, highlight=standouts,
-                  title=f"pairwise gradient cosine, mean over steps ≥ {result.window_start_step}", missing_text="self",
-                  axis_label="rank", colorbar_label="cosine (1 = same direction)", cid="chart-cosine")
+    svg = heatmap(
+        cells,
+        labels=[str(r) for r in range(len(matrix))],
+        vmin=low,
+        vmax=high,
+        highlight=standouts,
+        title=f"pairwise gradient cosine, mean over steps ≥ {result.window_start_step}",
+        missing_text="self",
+        axis_label="rank",
+        colorbar_label="cosine (1 = same direction)",
+        cid="chart-cosine",
+    )
     named = ", ".join(str(r) for r in standouts)
     caption = (f"Rank{'s' * (len(standouts) > 1)} {named} in red. " if standouts else "") + (
-        "A rank whose gradients point elsewhere shows as a dark row and column.")
+        "A rank whose gradients point elsewhere shows as a dark row and column."
+    )
     return Chart("chart-cosine", False, caption, svg)

@@ -62,13 +62,17 @@ def render_junit(result: RunResult, verdict: Optional[Verdict]) -> str:
     wall = f"{result.timing.wall_s or 0:.3f}"
     root = ET.Element("testsuites", {"name": "healthcheck", "time": wall, **counted})
     env = result.environment
-    suite = ET.SubElement(root, "testsuite", {
-        "name": suite_name,
-        "time": wall,
-        "timestamp": result.timing.started_at.removesuffix("Z"),
-        "hostname": _xml(env.ranks[0].node if env and env.ranks else "localhost"),
-        **counted,
-    })
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        {
+            "name": suite_name,
+            "time": wall,
+            "timestamp": result.timing.started_at.removesuffix("Z"),
+            "hostname": _xml(env.ranks[0].node if env and env.ranks else "localhost"),
+            **counted,
+        },
+    )
     properties = ET.SubElement(suite, "properties")
     for name, value in (
         ("config_fingerprint", result.config_fingerprint),
@@ -88,8 +92,10 @@ def render_junit(result: RunResult, verdict: Optional[Verdict]) -> str:
 def _finding_details(finding: Finding) -> str:
     parts = [f"{finding.title}", finding.message + ranks_suffix(finding)]
     if finding.observed is not None:
-        parts.append(f"{finding.statistic or 'value'} {format_number(finding.observed)}, envelope {format_envelope(finding)}, "
-                     f"margin {format_number(finding.margin, '+.2f')}")
+        parts.append(
+            f"{finding.statistic or 'value'} {format_number(finding.observed)}, envelope {format_envelope(finding)}, "
+            f"margin {format_number(finding.margin, '+.2f')}"
+        )
     return "\n".join(parts)
 
 

@@ -92,8 +92,7 @@ def render_html(
     ranks = sorted({s.rank for s in standouts})
     body = [
         f"<h1>healthcheck <code>{esc(result.name)}</code></h1>",
-        f'<div class="verdict {style}" data-testid="verdict" role="status"><strong>{esc(label)}</strong>'
-        f"<span>{esc(sentence)}</span></div>",
+        f'<div class="verdict {style}" data-testid="verdict" role="status"><strong>{esc(label)}</strong><span>{esc(sentence)}</span></div>',
     ]
     sentences = standout_sentences(standouts)
     if sentences:
@@ -108,12 +107,21 @@ def render_html(
     if result.nonfinite:
         body += ["<h2>Non-finite values</h2>", "<ul>"]
         body += [f"<li>{esc(e.what)} on rank {e.rank} at step {e.step}</li>" for e in result.nonfinite] + ["</ul>"]
-    charts = [c for c in (loss_chart(result, steps, aggregates, ranks), *dispersion_charts(result, verdict, aggregates),
-                          cosine_chart(result, aggregates, ranks)) if c is not None]
+    charts = [
+        c
+        for c in (
+            loss_chart(result, steps, aggregates, ranks),
+            *dispersion_charts(result, verdict, aggregates),
+            cosine_chart(result, aggregates, ranks),
+        )
+        if c is not None
+    ]
     if charts:
         body += ["<h2>Charts</h2>", '<div class="charts">', *map(_figure, charts), "</div>"]
-    body.append(f"<footer>healthcheck {esc(__version__)} · self-contained page: no scripts, no network · "
-                f"re-render with <code>healthcheck report RUN_DIR</code></footer>")
+    body.append(
+        f"<footer>healthcheck {esc(__version__)} · self-contained page: no scripts, no network · "
+        f"re-render with <code>healthcheck report RUN_DIR</code></footer>"
+    )
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -148,8 +156,10 @@ def _attribution(result: RunResult, per_rank: Sequence[RankSummary], standouts: 
     if not per_rank:
         return []
     marked = {(s.rank, s.metric) for s in standouts}
-    out = [f"<h2>Per-rank means over the window (steps ≥ {result.window_start_step})</h2>",
-           '<div class="table-wrap"><table id="ranks"><thead><tr><th class="num">rank</th>']
+    out = [
+        f"<h2>Per-rank means over the window (steps ≥ {result.window_start_step})</h2>",
+        '<div class="table-wrap"><table id="ranks"><thead><tr><th class="num">rank</th>',
+    ]
     for header in ("loss", "grad norm", "cos to mean", "step ms"):
         out.append(f'<th class="num">{header}</th><th class="num">z</th>')
     out.append("</tr></thead><tbody>")
@@ -158,8 +168,9 @@ def _attribution(result: RunResult, per_rank: Sequence[RankSummary], standouts: 
         for metric in RANK_FIELDS:
             z = format_number(getattr(summary, f"z_{metric}"), "+.1f")
             css = "num standout" if (summary.rank, metric) in marked else "num"
-            cells.append(f'<td class="num">{esc(format_number(getattr(summary, metric), RANK_FORMATS[metric]))}</td>'
-                         f'<td class="{css}">{esc(z)}</td>')
+            cells.append(
+                f'<td class="num">{esc(format_number(getattr(summary, metric), RANK_FORMATS[metric]))}</td><td class="{css}">{esc(z)}</td>'
+            )
         out.append(f'<tr data-rank="{summary.rank}">{"".join(cells)}</tr>')
     out.append("</tbody></table></div>")
     out.append(f'<p class="meta">z: against the other ranks; red: stands out (|z| ≥ {STANDOUT_Z:g}, off the same way in most steps).</p>')
@@ -170,8 +181,10 @@ def _config_diff(verdict: Verdict) -> list[str]:
     out = [f"<h2>Config changes vs the baseline ({len(verdict.config_diff)})</h2>"]
     if not verdict.config_diff:
         return out + ['<p class="meta">Identical to the baseline\'s snapshot.</p>']
-    items = [f"<li><code>{esc(c.path)}</code>: <code>{esc(config_value(c.old))}</code> → <code>{esc(config_value(c.new))}</code></li>"
-             for c in verdict.config_diff]
+    items = [
+        f"<li><code>{esc(c.path)}</code>: <code>{esc(config_value(c.old))}</code> → <code>{esc(config_value(c.new))}</code></li>"
+        for c in verdict.config_diff
+    ]
     return out + ['<ul class="diff" id="config-diff">', *items, "</ul>"]
 
 

@@ -69,9 +69,9 @@ def render_markdown(
         out += ["", f"z: against the other ranks; **bold**: stands out (\\|z\\| ≥ {STANDOUT_Z:g}, persistent)."]
     if verdict is not None:
         out += ["", f"### Config changes vs the baseline ({len(verdict.config_diff)})", ""]
-        out += [
-            f"- `{_md(c.path)}`: {_md_code(config_value(c.old))} → {_md_code(config_value(c.new))}" for c in verdict.config_diff
-        ] or ["Identical to the baseline's snapshot."]
+        out += [f"- `{_md(c.path)}`: {_md_code(config_value(c.old))} → {_md_code(config_value(c.new))}" for c in verdict.config_diff] or [
+            "Identical to the baseline's snapshot."
+        ]
     if result.nonfinite:
         out += ["", "### Non-finite values", ""]
         out += [f"- {e.what} on rank {e.rank} at step {e.step}" for e in result.nonfinite]

@@ -162,11 +162,15 @@ def dispersion_blocks(result: RunResult, verdict: Optional[Verdict], aggregates:
         series: list[tuple[str, Sequence[Optional[float]], tuple[str, str]]] = [(key, [v for _, v in points], colour)]
         caption = f"**{label}**: not judged." if verdict is None else f"**{label}**: not gated by this baseline."
         for finding in findings:
-            series += [("envelope lower", [finding.lower] * len(xs), ENVELOPE_COLOUR),
-                       ("envelope upper", [finding.upper] * len(xs), ENVELOPE_COLOUR)]
+            series += [
+                ("envelope lower", [finding.lower] * len(xs), ENVELOPE_COLOUR),
+                ("envelope upper", [finding.upper] * len(xs), ENVELOPE_COLOUR),
+            ]
             state = "inside" if finding.passed else "**OUTSIDE**"
-            caption = (f"**{label}**: window {finding.statistic} {plain_number(finding.observed or 0.0, 3)} is {state} the envelope "
-                       f"[{plain_number(finding.lower or 0.0, 3)}, {plain_number(finding.upper or 0.0, 3)}] (green).")
+            caption = (
+                f"**{label}**: window {finding.statistic} {plain_number(finding.observed or 0.0, 3)} is {state} the envelope "
+                f"[{plain_number(finding.lower or 0.0, 3)}, {plain_number(finding.upper or 0.0, 3)}] (green)."
+            )
         title = f"{key}{' FAILED' if failed else ''}: {colour[1]} = per step" + (", green = envelope" if findings else "")
         block = xychart(xs, series, title=title, y_label=key)
         if block:
@@ -184,6 +188,8 @@ def summary_charts(
     blocks = [b for b in (loss_block(result, steps, aggregates), *dispersion_blocks(result, verdict, aggregates)) if b]
     if not blocks:
         return ""
-    intro = (f"At most {MAX_POINTS} steps per chart (every k-th step). An envelope bounds a window statistic "
-             f"(steps ≥ {result.window_start_step}), not single steps.")
+    intro = (
+        f"At most {MAX_POINTS} steps per chart (every k-th step). An envelope bounds a window statistic "
+        f"(steps ≥ {result.window_start_step}), not single steps."
+    )
     return "\n\n".join(["### Charts", intro, *blocks]) + "\n"

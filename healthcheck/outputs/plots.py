@@ -113,15 +113,17 @@ def draw_loss(
 
     ax = fig.add_subplot()
     _mark_warmup(ax, result, xs[0] if xs else 0, label=True)
-    ax.fill_between(xs, [min(by_step[s]) for s in xs], [max(by_step[s]) for s in xs], color=_BAND, alpha=0.18, lw=0,
-                    label="per-rank min-max band")
+    ax.fill_between(
+        xs, [min(by_step[s]) for s in xs], [max(by_step[s]) for s in xs], color=_BAND, alpha=0.18, lw=0, label="per-rank min-max band"
+    )
     first_normal = True
     for rank in sorted(per_rank):
         points = sorted(per_rank[rank].items())
         if rank in standout_ranks:
             continue
-        ax.plot([p[0] for p in points], [p[1] for p in points], color=_BAND, alpha=0.45, lw=0.7,
-                label="each rank" if first_normal else None)
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], color=_BAND, alpha=0.45, lw=0.7, label="each rank" if first_normal else None
+        )
         first_normal = False
     for rank in standout_ranks:  # drawn last, on top
         points = sorted(per_rank.get(rank, {}).items())
@@ -173,13 +175,23 @@ def _draw_envelope(ax: Any, finding: Finding, window_start: int, window_end: int
     lower = finding.lower if finding.lower is not None else min(bottom, finding.observed)
     upper = finding.upper if finding.upper is not None else max(top, finding.observed)
     ax.fill_between(
-        [window_start, window_end], lower, upper, color=_OK, alpha=0.15, lw=0,
+        [window_start, window_end],
+        lower,
+        upper,
+        color=_OK,
+        alpha=0.15,
+        lw=0,
         label=f"baseline envelope for the window {finding.statistic}",
     )
     color = _OK if finding.passed else _BAD
     verdict_word = "inside" if finding.passed else "OUTSIDE"
     ax.hlines(
-        finding.observed, window_start, window_end, colors=color, linestyles="--", lw=2,
+        finding.observed,
+        window_start,
+        window_end,
+        colors=color,
+        linestyles="--",
+        lw=2,
         label=f"window {finding.statistic} = {finding.observed:.3g} ({verdict_word})",
     )
 

@@ -56,7 +56,7 @@ def num(value: float) -> str:
 
 
 def nice_ticks(low: float, high: float, target: int = 5) -> list[float]:
-    """"Nice" tick values (1, 2, 2.5 or 5 x 10^k apart) covering [low, high].
+    """ "Nice" tick values (1, 2, 2.5 or 5 x 10^k apart) covering [low, high].
 
     >>> nice_ticks(0, 1)
     [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
@@ -135,8 +135,10 @@ def svg_open(width: float, height: float, label: str, max_scale: float, cid: str
 
 
 def title_text(title: str, width: float, size: int) -> str:
-    return (f'<text x="{num(width / 2)}" y="{size + 6}" text-anchor="middle" font-size="{size + 2}" '
-            f'font-weight="600" fill="{TEXT}">{esc(title)}</text>')
+    return (
+        f'<text x="{num(width / 2)}" y="{size + 6}" text-anchor="middle" font-size="{size + 2}" '
+        f'font-weight="600" fill="{TEXT}">{esc(title)}</text>'
+    )
 
 
 @dataclass(frozen=True)
@@ -286,31 +288,41 @@ def line_chart(
         return top + ph - (y - y_lo) / ((y_hi - y_lo) or 1) * ph
 
     clip = f"{cid}-clip"  # a little outside the plot, so lines on an edge stay whole
-    out.append(f'<defs><clipPath id="{esc(clip)}"><rect x="{num(left - 4)}" y="{num(top - 4)}" '
-               f'width="{num(pw + 8)}" height="{num(ph + 8)}"/></clipPath></defs><g class="hc-axis hc-y">')
+    out.append(
+        f'<defs><clipPath id="{esc(clip)}"><rect x="{num(left - 4)}" y="{num(top - 4)}" '
+        f'width="{num(pw + 8)}" height="{num(ph + 8)}"/></clipPath></defs><g class="hc-axis hc-y">'
+    )
     for tick, text in zip(y_ticks, y_tick_labels, strict=True):
         y = num(sy(tick))
-        out.append(f'<line x1="{num(left)}" x2="{num(left + pw)}" y1="{y}" y2="{y}" stroke="{GRID}"/>'
-                   f'<text x="{num(left - 6)}" y="{y}" dy="0.32em" text-anchor="end" font-size="{fs - 1}" '
-                   f'fill="{MUTED}">{esc(text)}</text>')
+        out.append(
+            f'<line x1="{num(left)}" x2="{num(left + pw)}" y1="{y}" y2="{y}" stroke="{GRID}"/>'
+            f'<text x="{num(left - 6)}" y="{y}" dy="0.32em" text-anchor="end" font-size="{fs - 1}" '
+            f'fill="{MUTED}">{esc(text)}</text>'
+        )
     out.append("</g>")
     if warmup is not None and sx(min(warmup[1], x_hi)) > sx(max(warmup[0], x_lo)):
         x0, x1 = sx(max(warmup[0], x_lo)), sx(min(warmup[1], x_hi))
-        out.append(f'<g class="hc-warmup"><title>warmup: not judged</title><rect x="{num(x0)}" y="{num(top)}" '
-                   f'width="{num(x1 - x0)}" height="{num(ph)}" fill="#999" fill-opacity="0.15"/>'
-                   f'<text x="{num(x0 + 4)}" y="{num(top + fs + 2)}" font-size="{fs - 1}" fill="{MUTED}" {HALO}>warmup</text></g>')
+        out.append(
+            f'<g class="hc-warmup"><title>warmup: not judged</title><rect x="{num(x0)}" y="{num(top)}" '
+            f'width="{num(x1 - x0)}" height="{num(ph)}" fill="#999" fill-opacity="0.15"/>'
+            f'<text x="{num(x0 + 4)}" y="{num(top + fs + 2)}" font-size="{fs - 1}" fill="{MUTED}" {HALO}>warmup</text></g>'
+        )
     out += [_band(band, sx, sy, (x_lo, x_hi, y_lo, y_hi), top, fs) for band in bands]
-    out.append(f'<g class="hc-axis hc-x"><line x1="{num(left)}" x2="{num(left + pw)}" y1="{num(top + ph)}" '
-               f'y2="{num(top + ph)}" stroke="#999"/>')
+    out.append(
+        f'<g class="hc-axis hc-x"><line x1="{num(left)}" x2="{num(left + pw)}" y1="{num(top + ph)}" y2="{num(top + ph)}" stroke="#999"/>'
+    )
     for tick in x_ticks:
         x = num(sx(tick))
-        out.append(f'<line x1="{x}" x2="{x}" y1="{num(top + ph)}" y2="{num(top + ph + 4)}" stroke="#999"/>'
-                   f'<text x="{x}" y="{num(top + ph + fs + 5)}" text-anchor="middle" font-size="{fs - 1}" '
-                   f'fill="{MUTED}">{esc(format_tick(tick, x_step))}</text>')
+        out.append(
+            f'<line x1="{x}" x2="{x}" y1="{num(top + ph)}" y2="{num(top + ph + 4)}" stroke="#999"/>'
+            f'<text x="{x}" y="{num(top + ph + fs + 5)}" text-anchor="middle" font-size="{fs - 1}" '
+            f'fill="{MUTED}">{esc(format_tick(tick, x_step))}</text>'
+        )
     out.append("</g>")
     if x_label:
-        out.append(f'<text x="{num(left + pw / 2)}" y="{num(top + ph + 2 * fs + 12)}" text-anchor="middle" '
-                   f'fill="{TEXT}">{esc(x_label)}</text>')
+        out.append(
+            f'<text x="{num(left + pw / 2)}" y="{num(top + ph + 2 * fs + 12)}" text-anchor="middle" fill="{TEXT}">{esc(x_label)}</text>'
+        )
     if y_label:
         cy = num(top + ph / 2)
         out.append(f'<text x="{fs}" y="{cy}" text-anchor="middle" transform="rotate(-90 {fs} {cy})" fill="{TEXT}">{esc(y_label)}</text>')
@@ -322,8 +334,10 @@ def line_chart(
         stroke_width = {"normal": 1.3, "reference": 2.4, "highlight": 2.4}[line.role]
         opacity = 0.5 if emphasis and line.role == "normal" else 1.0
         classes = "hc-series" + ("" if line.role == "normal" else f" hc-{line.role}")
-        out.append(f'<g class="{classes}" data-series="{esc(line.name)}" stroke="{colour}" stroke-width="{stroke_width}" '
-                   f'stroke-opacity="{opacity}"><title>{esc(line.name)}</title>')
+        out.append(
+            f'<g class="{classes}" data-series="{esc(line.name)}" stroke="{colour}" stroke-width="{stroke_width}" '
+            f'stroke-opacity="{opacity}"><title>{esc(line.name)}</title>'
+        )
         out += [f'<path d="{d}"/>' for d in _paths(line.points, sx, sy)]
         valid = [(x, y) for x, y in line.points if y is not None and math.isfinite(y)]
         if len(valid) <= 20:
@@ -332,9 +346,11 @@ def line_chart(
     out.append("</g>")
     if stop is not None:
         x = num(sx(stop[0]))
-        out.append(f'<g class="hc-stop"><line x1="{x}" x2="{x}" y1="{num(top)}" y2="{num(top + ph)}" stroke="{BAD_COLOUR}" '
-                   f'stroke-width="1.5" stroke-dasharray="2 3"/><text x="{num(sx(stop[0]) - 4)}" y="{num(top + fs + 2)}" '
-                   f'text-anchor="end" font-size="{fs - 1}" fill="{BAD_COLOUR}" {HALO}>{esc(stop[1])}</text></g>')
+        out.append(
+            f'<g class="hc-stop"><line x1="{x}" x2="{x}" y1="{num(top)}" y2="{num(top + ph)}" stroke="{BAD_COLOUR}" '
+            f'stroke-width="1.5" stroke-dasharray="2 3"/><text x="{num(sx(stop[0]) - 4)}" y="{num(top + fs + 2)}" '
+            f'text-anchor="end" font-size="{fs - 1}" fill="{BAD_COLOUR}" {HALO}>{esc(stop[1])}</text></g>'
+        )
 
     legend_y = height - legend_h + 6
     out.append('<g class="hc-legend">')
@@ -345,9 +361,11 @@ def line_chart(
             colour, first = legend[name]
             bold = ' font-weight="700"' if first.role == "highlight" else ""
             lx, ly = num(row_x + offset), num(row_y)
-            out.append(f'<g data-series="{esc(name)}"><title>{esc(name)}</title><line x1="{lx}" x2="{num(row_x + offset + swatch)}" '
-                       f'y1="{ly}" y2="{ly}" stroke="{colour}" stroke-width="{2 if first.role == "normal" else 3}"/>'
-                       f'<text x="{num(row_x + offset + swatch + 5)}" y="{ly}" dy="0.32em" fill="{TEXT}"{bold}>{esc(shown)}</text></g>')
+            out.append(
+                f'<g data-series="{esc(name)}"><title>{esc(name)}</title><line x1="{lx}" x2="{num(row_x + offset + swatch)}" '
+                f'y1="{ly}" y2="{ly}" stroke="{colour}" stroke-width="{2 if first.role == "normal" else 3}"/>'
+                f'<text x="{num(row_x + offset + swatch + 5)}" y="{ly}" dy="0.32em" fill="{TEXT}"{bold}>{esc(shown)}</text></g>'
+            )
     out.append("</g></svg>")
     return "".join(out)
 
@@ -366,17 +384,21 @@ def _band(
     lower = band.lower if band.lower is not None else y_lo
     y0, y1 = sy(min(upper, y_hi)), sy(max(lower, y_lo))
     bounds = f"[{esc(band.lower if band.lower is not None else '-inf')}, {esc(band.upper if band.upper is not None else '+inf')}]"
-    out = [f'<g class="hc-envelope"><title>{esc(band.label)}: {bounds}</title>'
-           f'<rect x="{num(x0)}" y="{num(y0)}" width="{num(max(0.0, x1 - x0))}" height="{num(max(0.0, y1 - y0))}" '
-           f'fill="#2ca02c" fill-opacity="0.12" stroke="#2ca02c" stroke-opacity="0.6" stroke-dasharray="4 3"/>'
-           f'<text x="{num(x1 - 4)}" y="{num(y0 - 4 if y0 - top > fs + 4 else y0 + fs + 2)}" text-anchor="end" '
-           f'font-size="{fs - 1}" fill="{OK_COLOUR}" {HALO}>{esc(band.label)}</text>']
+    out = [
+        f'<g class="hc-envelope"><title>{esc(band.label)}: {bounds}</title>'
+        f'<rect x="{num(x0)}" y="{num(y0)}" width="{num(max(0.0, x1 - x0))}" height="{num(max(0.0, y1 - y0))}" '
+        f'fill="#2ca02c" fill-opacity="0.12" stroke="#2ca02c" stroke-opacity="0.6" stroke-dasharray="4 3"/>'
+        f'<text x="{num(x1 - 4)}" y="{num(y0 - 4 if y0 - top > fs + 4 else y0 + fs + 2)}" text-anchor="end" '
+        f'font-size="{fs - 1}" fill="{OK_COLOUR}" {HALO}>{esc(band.label)}</text>'
+    ]
     if band.observed is not None and math.isfinite(band.observed):
         colour = OK_COLOUR if band.passed else BAD_COLOUR
         y_px = sy(band.observed)
         y, dy = num(y_px), "-0.4em" if y_px - top > fs + 4 else "1.2em"  # at the top edge: below the line, clear of the title
-        out.append(f'<g class="hc-observed" data-passed="{str(band.passed).lower()}"><title>{esc(band.observed_label)}</title>'
-                   f'<line x1="{num(x0)}" x2="{num(x1)}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="2" stroke-dasharray="6 3"/>'
-                   f'<text x="{num(x0 + 4)}" y="{y}" dy="{dy}" font-size="{fs - 1}" fill="{colour}" {HALO}>'
-                   f'{esc(band.observed_label)}</text></g>')
+        out.append(
+            f'<g class="hc-observed" data-passed="{str(band.passed).lower()}"><title>{esc(band.observed_label)}</title>'
+            f'<line x1="{num(x0)}" x2="{num(x1)}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="2" stroke-dasharray="6 3"/>'
+            f'<text x="{num(x0 + 4)}" y="{y}" dy="{dy}" font-size="{fs - 1}" fill="{colour}" {HALO}>'
+            f"{esc(band.observed_label)}</text></g>"
+        )
     return "".join(out) + "</g>"

@@ -33,7 +33,7 @@ def colour_at(t: float) -> str:
 
 
 def _text_on(colour: str) -> str:
-    red, green, blue = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    red, green, blue = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
     return "#000" if 0.299 * red + 0.587 * green + 0.114 * blue > 140 else "#fff"
 
 
@@ -68,8 +68,10 @@ def heatmap(
     cid = cid or chart_id("hm", title, list(labels))
     values = [v for row in rows for v in row if v is not None and math.isfinite(v)]
     if not values:
-        return (svg_open(width, 120, label, max_scale, cid) + f"<title>{esc(label)}</title>"
-                f'<text x="{num(width / 2)}" y="60" text-anchor="middle" fill="{MUTED}">no data</text></svg>')
+        return (
+            svg_open(width, 120, label, max_scale, cid) + f"<title>{esc(label)}</title>"
+            f'<text x="{num(width / 2)}" y="60" text-anchor="middle" fill="{MUTED}">no data</text></svg>'
+        )
     low = min(values) if vmin is None else vmin
     high = max(values) if vmax is None else vmax
     if high <= low:
@@ -92,24 +94,32 @@ def heatmap(
         out.append(title_text(title, width, fs))
     hatch, gradient = f"{cid}-hatch", f"{cid}-grad"
     stops = "".join(f'<stop offset="{int(t * 100)}%" stop-color="{colour_at(1 - t)}"/>' for t in (0, 0.25, 0.5, 0.75, 1))
-    out.append(f'<defs><pattern id="{esc(hatch)}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-               f'<rect width="6" height="6" fill="#eee"/><line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern>'
-               f'<linearGradient id="{esc(gradient)}" x1="0" y1="0" x2="0" y2="1">{stops}</linearGradient></defs><g class="hc-cells">')
+    out.append(
+        f'<defs><pattern id="{esc(hatch)}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        f'<rect width="6" height="6" fill="#eee"/><line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern>'
+        f'<linearGradient id="{esc(gradient)}" x1="0" y1="0" x2="0" y2="1">{stops}</linearGradient></defs><g class="hc-cells">'
+    )
     for i, row in enumerate(rows):
         for j, value in enumerate(row):
             x, y = num(left + j * cell), num(top + i * cell)
             if value is None or not math.isfinite(value):
-                out.append(f'<g class="hc-cell" data-row="{i}" data-col="{j}" data-missing="1"><title>{esc(labels[i])} / '
-                           f'{esc(labels[j])}: {esc(missing_text)}</title><rect x="{x}" y="{y}" width="{num(cell)}" '
-                           f'height="{num(cell)}" fill="url(#{esc(hatch)})" stroke="#fff"/></g>')
+                out.append(
+                    f'<g class="hc-cell" data-row="{i}" data-col="{j}" data-missing="1"><title>{esc(labels[i])} / '
+                    f'{esc(labels[j])}: {esc(missing_text)}</title><rect x="{x}" y="{y}" width="{num(cell)}" '
+                    f'height="{num(cell)}" fill="url(#{esc(hatch)})" stroke="#fff"/></g>'
+                )
                 continue
             colour, text = colour_at((value - low) / (high - low)), value_format.format(value)
-            out.append(f'<g class="hc-cell" data-row="{i}" data-col="{j}" data-value="{esc(repr(value))}"><title>{esc(labels[i])} / '
-                       f'{esc(labels[j])}: {esc(text)}</title><rect x="{x}" y="{y}" width="{num(cell)}" height="{num(cell)}" '
-                       f'fill="{colour}" stroke="#fff"/>')
+            out.append(
+                f'<g class="hc-cell" data-row="{i}" data-col="{j}" data-value="{esc(repr(value))}"><title>{esc(labels[i])} / '
+                f'{esc(labels[j])}: {esc(text)}</title><rect x="{x}" y="{y}" width="{num(cell)}" height="{num(cell)}" '
+                f'fill="{colour}" stroke="#fff"/>'
+            )
             if value_fs >= 9:  # values only where they are readable; the tooltip has them all
-                out.append(f'<text x="{num(left + (j + 0.5) * cell)}" y="{num(top + (i + 0.5) * cell)}" dy="0.35em" '
-                           f'text-anchor="middle" font-size="{value_fs:.1f}" fill="{_text_on(colour)}">{esc(text)}</text>')
+                out.append(
+                    f'<text x="{num(left + (j + 0.5) * cell)}" y="{num(top + (i + 0.5) * cell)}" dy="0.35em" '
+                    f'text-anchor="middle" font-size="{value_fs:.1f}" fill="{_text_on(colour)}">{esc(text)}</text>'
+                )
             out.append("</g>")
     out.append("</g>")
 
@@ -120,27 +130,37 @@ def heatmap(
         if i % every and i not in highlight:
             continue
         style = f' fill="{BAD_COLOUR}" font-weight="700"' if i in highlight else ""
-        out.append(f'<text x="{num(left - 6)}" y="{num(top + (i + 0.5) * cell)}" dy="0.32em" text-anchor="end"{style}>{esc(text)}</text>'
-                   f'<text x="{num(left + (i + 0.5) * cell)}" y="{num(top + grid + 6)}" dy="0.8em" text-anchor="middle"{style}>'
-                   f'{esc(text)}</text>')
+        out.append(
+            f'<text x="{num(left - 6)}" y="{num(top + (i + 0.5) * cell)}" dy="0.32em" text-anchor="end"{style}>{esc(text)}</text>'
+            f'<text x="{num(left + (i + 0.5) * cell)}" y="{num(top + grid + 6)}" dy="0.8em" text-anchor="middle"{style}>'
+            f"{esc(text)}</text>"
+        )
     out.append("</g>")
     if axis_label:
         cy = num(top + grid / 2)
-        out.append(f'<text x="{fs}" y="{cy}" text-anchor="middle" transform="rotate(-90 {fs} {cy})" fill="{TEXT}">{esc(axis_label)}</text>'
-                   f'<text x="{num(left + grid / 2)}" y="{num(top + grid + 2 * fs + 14)}" text-anchor="middle" fill="{TEXT}">'
-                   f'{esc(axis_label)}</text>')
+        out.append(
+            f'<text x="{fs}" y="{cy}" text-anchor="middle" transform="rotate(-90 {fs} {cy})" fill="{TEXT}">{esc(axis_label)}</text>'
+            f'<text x="{num(left + grid / 2)}" y="{num(top + grid + 2 * fs + 14)}" text-anchor="middle" fill="{TEXT}">'
+            f"{esc(axis_label)}</text>"
+        )
 
     bar_x, bar_h = left + grid + 18, max(grid, 100)
-    out.append(f'<g class="hc-colorbar"><rect x="{num(bar_x)}" y="{num(top)}" width="14" height="{num(bar_h)}" '
-               f'fill="url(#{esc(gradient)})" stroke="#ccc"/>')
+    out.append(
+        f'<g class="hc-colorbar"><rect x="{num(bar_x)}" y="{num(top)}" width="14" height="{num(bar_h)}" '
+        f'fill="url(#{esc(gradient)})" stroke="#ccc"/>'
+    )
     for fraction, value in ((0.0, high), (0.5, (low + high) / 2), (1.0, low)):
         y = num(top + fraction * bar_h)
-        out.append(f'<line x1="{num(bar_x + 14)}" x2="{num(bar_x + 18)}" y1="{y}" y2="{y}" stroke="#999"/>'
-                   f'<text x="{num(bar_x + 21)}" y="{y}" dy="0.32em" font-size="{fs - 1}" fill="{MUTED}">'
-                   f'{esc(value_format.format(value))}</text>')
+        out.append(
+            f'<line x1="{num(bar_x + 14)}" x2="{num(bar_x + 18)}" y1="{y}" y2="{y}" stroke="#999"/>'
+            f'<text x="{num(bar_x + 21)}" y="{y}" dy="0.32em" font-size="{fs - 1}" fill="{MUTED}">'
+            f"{esc(value_format.format(value))}</text>"
+        )
     if colorbar_label:
         cx, cy = num(bar_x + 21 + tick_w + 6 + fs / 2), num(top + bar_h / 2)
-        out.append(f'<text x="{cx}" y="{cy}" text-anchor="middle" font-size="{fs - 1}" fill="{TEXT}" '
-                   f'transform="rotate(90 {cx} {cy})">{esc(colorbar_label)}</text>')
+        out.append(
+            f'<text x="{cx}" y="{cy}" text-anchor="middle" font-size="{fs - 1}" fill="{TEXT}" '
+            f'transform="rotate(90 {cx} {cy})">{esc(colorbar_label)}</text>'
+        )
     out.append("</g></svg>")
     return "".join(out)

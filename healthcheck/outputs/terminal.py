@@ -56,7 +56,6 @@ _UNICODE = _Glyphs(dash="—", arrow="→", bullet="•", separator=" · ")
 _ASCII = _Glyphs(dash="--", arrow="->", bullet="-", separator="; ")
 
 
-
 def _is_plain(console: Console) -> bool:
     """ASCII boxes and glyphs unless writing to a unicode-capable terminal (CI logs are not terminals)."""
     return not console.is_terminal or console.options.ascii_only
@@ -99,7 +98,6 @@ def render_terminal(
         _print_config_diff(console, verdict, styles, glyphs)
     for event in result.nonfinite:
         console.print(Text(f"non-finite {event.what} on rank {event.rank} at step {event.step}", style=styles["fail"]))
-
 
 
 def _table(plain: bool, header_style: str) -> Table:
@@ -163,7 +161,6 @@ def _print_attribution(
 def _max_abs_z(summary: RankSummary) -> float:
     zs = [getattr(summary, f"z_{m}") for m in RANK_FIELDS]
     return max((abs(z) for z in zs if z is not None and math.isfinite(z)), default=0.0)
-
 
 
 def _print_config_diff(console: Console, verdict: Verdict, styles: dict[str, str], glyphs: _Glyphs) -> None:

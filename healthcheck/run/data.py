@@ -253,11 +253,17 @@ class MicroBatches:
             )
         self.sampler: Any = DistributedSampler(
             dataset,  # type: ignore[arg-type]  # a map-style dataset; torch's stub wants its Dataset class
-            num_replicas=plan.replicas, rank=plan.rank, shuffle=train.shuffle, seed=plan.seed, drop_last=True
+            num_replicas=plan.replicas,
+            rank=plan.rank,
+            shuffle=train.shuffle,
+            seed=plan.seed,
+            drop_last=True,
         )
         self.loader: Any = DataLoader(
             dataset,  # type: ignore[arg-type]
-            batch_size=train.micro_batch_size, sampler=self.sampler, drop_last=True,
+            batch_size=train.micro_batch_size,
+            sampler=self.sampler,
+            drop_last=True,
             collate_fn=lambda batch: collate(batch, pad_token_id),
         )
         self.call_set_epoch = train.set_epoch
@@ -278,7 +284,10 @@ class MicroBatches:
         while len(reads) < micro_batches:
             twin: Any = DistributedSampler(
                 range(len(samples)),  # type: ignore[arg-type]  # any sized sequence works
-                num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=sampler.shuffle, seed=sampler.seed,
+                num_replicas=sampler.num_replicas,
+                rank=sampler.rank,
+                shuffle=sampler.shuffle,
+                seed=sampler.seed,
                 drop_last=sampler.drop_last,
             )
             twin.set_epoch(epoch if self.call_set_epoch else 0)

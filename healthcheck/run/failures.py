@@ -24,8 +24,14 @@ ERRORS_DIR = "errors"
 
 #: Errors a rank raises because a *peer* went away: symptoms, not the cause.
 PEER_FAILURE_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
-    "remote process exited", "NCCL communicator was aborted", "Socket Timeout", "Timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crashing",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+    "Timed out",
 )
 
 
@@ -35,7 +41,10 @@ def record_worker_failure(run_dir: Path, rank: int, step: Optional[int], exc: Ba
         folder = run_dir / ERRORS_DIR
         folder.mkdir(exist_ok=True)
         report = WorkerFailure(
-            rank=rank, step=step, reason=f"{type(exc).__name__}: {one_line(exc)}"[:500], time=time.time(),
+            rank=rank,
+            step=step,
+            reason=f"{type(exc).__name__}: {one_line(exc)}"[:500],
+            time=time.time(),
             exit_code=int(getattr(exc, "exit_code", 3)),  # InvalidInput keeps its exit 2
         )
         (folder / f"rank-{rank}.json").write_text(report.model_dump_json())

@@ -139,7 +139,6 @@ def describe_child_failure(exc) -> str:
     return "worker failure: " + "; ".join(parts)
 
 
-
 def prepare_fork() -> None:
     """Settings the launcher needs before it forks workers.
 

@@ -24,8 +24,13 @@ def _gpt2(n_layer: int, n_embd: int, n_head: int) -> Callable[[int, int], Any]:
         from transformers import GPT2Config
 
         return GPT2Config(
-            n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max_positions, vocab_size=vocab_size,
-            bos_token_id=0, eos_token_id=0,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_positions=max_positions,
+            vocab_size=vocab_size,
+            bos_token_id=0,
+            eos_token_id=0,
         )
 
     return build
@@ -36,9 +41,16 @@ def _llama(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: in
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
-            max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab_size,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=False,
         )
 
     return build
@@ -71,9 +83,7 @@ def model_source(name: str) -> str:
         raise InvalidInput(f"model.name: model directory not found: {name}")
     if _HUB_ID.match(name):
         return "hub"
-    raise InvalidInput(
-        f"model.name: unknown preset {name!r} (presets: {', '.join(PRESETS)}; or give a local directory or org/name hub id)"
-    )
+    raise InvalidInput(f"model.name: unknown preset {name!r} (presets: {', '.join(PRESETS)}; or give a local directory or org/name hub id)")
 
 
 def byte_level_tokenizer():
@@ -120,4 +130,3 @@ def build_model(config: ModelConfig, vocab_size: int, max_positions: int):
         model = AutoModelForCausalLM.from_config(hf_config)
         return model.to(dtype)
     return AutoModelForCausalLM.from_pretrained(config.name, dtype=dtype, trust_remote_code=config.trust_remote_code)
-

@@ -86,8 +86,9 @@ def warm_parent_caches(config: ProbeConfig) -> None:
         MODEL_FOR_CAUSAL_LM_MAPPING[type(PRESETS[config.model.name][1](len(tokenizer), 1024))]
 
 
-def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool = False,
-              fail_fast: Optional[FailFastPolicy] = None) -> tuple[RunResult | None, Path]:
+def run_probe(
+    config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool = False, fail_fast: Optional[FailFastPolicy] = None
+) -> tuple[RunResult | None, Path]:
     """Run the probe and return ``(result, run_dir)``; ``result`` is None on non-zero ranks under torchrun.
 
     A crash, hang or interrupt still returns: the result is marked incomplete or interrupted, names
@@ -104,8 +105,10 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool
 
     run_dir = prepare_run_dir(run_dir or default_run_dir(config.name))
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(config))
-    write_result(run_dir, build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
-                                       report=None, status="running"))
+    write_result(
+        run_dir,
+        build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall, report=None, status="running"),
+    )
     prepared = time.time()
     warm_parent_caches(config)
     # Launcher-side phases; the workers add theirs (spawn is what is left of their "launch").
@@ -117,16 +120,27 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool
     try:
         while True:
             attempts += 1
-            args = (config.model_dump_json(), str(run_dir), started_wall, timeout_s + PG_TIMEOUT_GRACE_S, attempts,
-                    not verbose, fail_fast_json)
+            args = (
+                config.model_dump_json(),
+                str(run_dir),
+                started_wall,
+                timeout_s + PG_TIMEOUT_GRACE_S,
+                attempts,
+                not verbose,
+                fail_fast_json,
+            )
             progress = HeartbeatProgress(config.name, config.train.steps)
-            watchdog = Watchdog(run_dir, config.distributed.nproc, timeout_s,
-                                startup_timeout_s=config.distributed.startup_timeout_s, on_poll=progress.update)
+            watchdog = Watchdog(
+                run_dir,
+                config.distributed.nproc,
+                timeout_s,
+                startup_timeout_s=config.distributed.startup_timeout_s,
+                on_poll=progress.update,
+            )
             try:
                 entrypoint = script_worker if config.script is not None else probe_worker
                 with watchdog, launcher.interrupts_as_keyboard_interrupt():
-                    reports = launcher.launch_local(entrypoint, config.distributed.nproc, args,
-                                                    run_id=f"healthcheck-{config.name}")
+                    reports = launcher.launch_local(entrypoint, config.distributed.nproc, args, run_id=f"healthcheck-{config.name}")
                 progress.update(read_beats(run_dir))  # the last steps may finish between two polls
                 break
             except ProbeFailed:
@@ -137,23 +151,47 @@ def run_probe(config: ProbeConfig, run_dir: Path | None = None, *, verbose: bool
                 if not (watchdog.stalled_in_startup and attempts < STARTUP_ATTEMPTS):
                     raise
                 progress.close()
-                print(f"healthcheck: {watchdog.fired}; relaunching the workers "
-                      f"(attempt {attempts + 1} of {STARTUP_ATTEMPTS})", file=sys.stderr, flush=True)
+                print(
+                    f"healthcheck: {watchdog.fired}; relaunching the workers (attempt {attempts + 1} of {STARTUP_ATTEMPTS})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 clear_launch_state(run_dir)
     except ProbeFailed as exc:
         failure = watchdog.fired or describe_failure(run_dir, exc.message, exc.signals)
-        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
-                              report=None, status="incomplete", failure=failure)
+        result = build_result(
+            config=config,
+            run_dir=run_dir,
+            started_at=started_at,
+            started_wall=started_wall,
+            report=None,
+            status="incomplete",
+            failure=failure,
+        )
         bad_input = input_error_in_workers(run_dir)
         if bad_input and not watchdog.fired:
             write_result(run_dir, result)
             raise InvalidInput(bad_input) from None
     except KeyboardInterrupt:
-        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
-                              report=None, status="interrupted", failure="interrupted by a signal or Ctrl-C")
+        result = build_result(
+            config=config,
+            run_dir=run_dir,
+            started_at=started_at,
+            started_wall=started_wall,
+            report=None,
+            status="interrupted",
+            failure="interrupted by a signal or Ctrl-C",
+        )
     else:
-        result = build_result(config=config, run_dir=run_dir, started_at=started_at, started_wall=started_wall,
-                              report=reports.get(0), status="complete", launcher_phases=launcher_phases)
+        result = build_result(
+            config=config,
+            run_dir=run_dir,
+            started_at=started_at,
+            started_wall=started_wall,
+            report=reports.get(0),
+            status="complete",
+            launcher_phases=launcher_phases,
+        )
     progress.close()  # the progress line ends before the report prints
     result.timing.launch_attempts = attempts
     write_result(run_dir, result)
@@ -185,8 +223,9 @@ def _agree_on_run_dir(config: ProbeConfig, run_dir: Optional[Path]) -> str:
     return chosen
 
 
-def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: float,
-                   started_at: str, fail_fast_json: Optional[str]) -> tuple[Optional[RunResult], Path]:
+def _run_as_worker(
+    config: ProbeConfig, run_dir: Optional[Path], started_wall: float, started_at: str, fail_fast_json: Optional[str]
+) -> tuple[Optional[RunResult], Path]:
     """Under torchrun: every process is one worker; rank 0 picks the run directory and writes the result.
 
     A --script probe leaves the process group to the script (it calls init_process_group itself), so
@@ -199,8 +238,7 @@ def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: f
             chosen_box.append(_agree_on_run_dir(config, run_dir))
             return chosen_box[-1]
 
-        report = script_worker(config.model_dump_json(), None, started_wall, fail_fast_json=fail_fast_json,
-                               choose_run_dir=choose)
+        report = script_worker(config.model_dump_json(), None, started_wall, fail_fast_json=fail_fast_json, choose_run_dir=choose)
         if not chosen_box:
             raise InvalidInput("the script never created a process group (torch.distributed.init_process_group)")
         run_path = Path(chosen_box[-1])
@@ -212,8 +250,9 @@ def _run_as_worker(config: ProbeConfig, run_dir: Optional[Path], started_wall: f
         report = probe_worker(config.model_dump_json(), str(run_path), started_wall, fail_fast_json=fail_fast_json)
     if hdist.get_dist_info().rank != 0:
         return None, run_path
-    result = build_result(config=config, run_dir=run_path, started_at=started_at, started_wall=started_wall,
-                          report=report, status="complete")
+    result = build_result(
+        config=config, run_dir=run_path, started_at=started_at, started_wall=started_wall, report=report, status="complete"
+    )
     write_result(run_path, result)
     return result, run_path
 

@@ -18,9 +18,13 @@ class StepProgress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
-                TextColumn(f"probe {name}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]:.1f} steps/s"), TimeRemainingColumn(),
-                console=Console(file=self.stream), transient=False,
+                TextColumn(f"probe {name}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]:.1f} steps/s"),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=False,
             )
             self._task = self._bar.add_task("steps", total=total_steps, rate=0.0)
             self._bar.start()

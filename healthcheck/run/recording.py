@@ -19,9 +19,7 @@ def seeded(config: ProbeConfig, seed: int) -> ProbeConfig:
     return ProbeConfig.model_validate(data)
 
 
-def run_repeats(
-    config: ProbeConfig, repeats: int, runs_root: Path, first_seed: int | None = None
-) -> tuple[list[RunResult], list[Path]]:
+def run_repeats(config: ProbeConfig, repeats: int, runs_root: Path, first_seed: int | None = None) -> tuple[list[RunResult], list[Path]]:
     """Run ``repeats`` probes, one per seed, each in its own run directory; print one line per run."""
     from healthcheck.run.probe import run_probe
 
@@ -36,8 +34,7 @@ def run_repeats(
             raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {result.status}: {result.failure}; artifacts in {run_dir}")
         if result.stopped_early is not None:  # an envelope is never fitted from a truncated window
             stop = result.stopped_early
-            raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {stop.headline()}: {stop.message}; "
-                              f"artifacts in {run_dir}")
+            raise ProbeFailed(f"baseline run {index + 1} (seed {seed}) {stop.headline()}: {stop.message}; artifacts in {run_dir}")
         print(f"  run {index + 1}/{repeats}: seed {seed} -> {run_dir} ({result.status})", flush=True)
         results.append(result)
         run_dirs.append(run_dir)
@@ -49,6 +46,4 @@ def record_baseline(config: ProbeConfig, repeats: int, *, runs_root: Path, reaso
 
     print(f"recording baseline for probe {config.name!r}: {repeats} probes", flush=True)
     results, run_dirs = run_repeats(config, repeats, runs_root)
-    return fit_baseline(
-        results, reason=reason, approved_by=approved_by, name=config.name, run_ids=[d.name for d in run_dirs]
-    )
+    return fit_baseline(results, reason=reason, approved_by=approved_by, name=config.name, run_ids=[d.name for d in run_dirs])

@@ -62,30 +62,77 @@ class Scenario:
 CLEAN = Scenario("clean", "no fault: nothing may fire (the false-alarm row)", (), (), "")
 
 CATALOGUE: tuple[Scenario, ...] = (
-    Scenario("s1-2", "rank 0 seeds itself differently (seed_policy rank0_differs: seed+999)",
-             ("seed_policy=rank0_differs",), ("audit.seeds", "audit.data_shards"), "0"),
-    Scenario("s1-3", "every rank has its own seed (seed_policy per_rank: seed+rank)",
-             ("seed_policy=per_rank",), ("audit.seeds",), "all"),
-    Scenario("identical-data", "every rank reads the same samples (data.sharding replicated)",
-             ("data.sharding=replicated",), ("audit.data_shards",), "all"),
-    Scenario("missing-set-epoch", "sampler.set_epoch never called: every epoch repeats epoch 0 (256 samples, so the "
-             "probe crosses epochs)", ("train.set_epoch=false", "data.max_samples=256"), ("audit.data_shards",), "all"),
-    Scenario("loss-x2", f"rank {FAULTY_RANK} multiplies its loss by 2 (a gradient-accumulation normalisation bug)",
-             (_on_faulty_rank("train", "loss_scale: 2.0"),), ("envelope.*", "audit.rank_outliers"), str(FAULTY_RANK)),
-    Scenario("fp32-vs-bf16", f"rank {FAULTY_RANK} trains in bf16 autocast, the others in fp32",
-             (_on_faulty_rank("train", "precision: bf16"),), ("audit.environment",), str(FAULTY_RANK)),
-    Scenario("lr-x10", f"rank {FAULTY_RANK} uses 10x the learning rate (1e-2 instead of 1e-3)",
-             (_on_faulty_rank("train", "lr: 0.01"),), ("audit.param_equality",), str(FAULTY_RANK)),
-    Scenario("label-mask-bug", f"rank {FAULTY_RANK} trains on prompt tokens too (data.response_only_loss false)",
-             (_on_faulty_rank("data", "response_only_loss: false"),), ("envelope.*", "audit.rank_outliers"),
-             str(FAULTY_RANK)),
-    Scenario("grad-noise", f"rank {FAULTY_RANK}'s local gradient gets Gaussian noise of 2x its RMS (silent corruption)",
-             (_on_faulty_rank("faults", "grad_noise_std: 2.0"),), ("envelope.*", "audit.rank_outliers"),
-             str(FAULTY_RANK)),
-    Scenario("straggler", f"rank {FAULTY_RANK} sleeps 50 ms in every step",
-             (_on_faulty_rank("faults", "step_sleep_ms: 50"),), ("audit.stragglers",), str(FAULTY_RANK)),
-    Scenario("nan", f"rank {FAULTY_RANK}'s loss turns NaN at step 15",
-             (_on_faulty_rank("faults", "nan_at_step: 15"),), ("audit.nonfinite",), str(FAULTY_RANK)),
+    Scenario(
+        "s1-2",
+        "rank 0 seeds itself differently (seed_policy rank0_differs: seed+999)",
+        ("seed_policy=rank0_differs",),
+        ("audit.seeds", "audit.data_shards"),
+        "0",
+    ),
+    Scenario("s1-3", "every rank has its own seed (seed_policy per_rank: seed+rank)", ("seed_policy=per_rank",), ("audit.seeds",), "all"),
+    Scenario(
+        "identical-data",
+        "every rank reads the same samples (data.sharding replicated)",
+        ("data.sharding=replicated",),
+        ("audit.data_shards",),
+        "all",
+    ),
+    Scenario(
+        "missing-set-epoch",
+        "sampler.set_epoch never called: every epoch repeats epoch 0 (256 samples, so the probe crosses epochs)",
+        ("train.set_epoch=false", "data.max_samples=256"),
+        ("audit.data_shards",),
+        "all",
+    ),
+    Scenario(
+        "loss-x2",
+        f"rank {FAULTY_RANK} multiplies its loss by 2 (a gradient-accumulation normalisation bug)",
+        (_on_faulty_rank("train", "loss_scale: 2.0"),),
+        ("envelope.*", "audit.rank_outliers"),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "fp32-vs-bf16",
+        f"rank {FAULTY_RANK} trains in bf16 autocast, the others in fp32",
+        (_on_faulty_rank("train", "precision: bf16"),),
+        ("audit.environment",),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "lr-x10",
+        f"rank {FAULTY_RANK} uses 10x the learning rate (1e-2 instead of 1e-3)",
+        (_on_faulty_rank("train", "lr: 0.01"),),
+        ("audit.param_equality",),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "label-mask-bug",
+        f"rank {FAULTY_RANK} trains on prompt tokens too (data.response_only_loss false)",
+        (_on_faulty_rank("data", "response_only_loss: false"),),
+        ("envelope.*", "audit.rank_outliers"),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "grad-noise",
+        f"rank {FAULTY_RANK}'s local gradient gets Gaussian noise of 2x its RMS (silent corruption)",
+        (_on_faulty_rank("faults", "grad_noise_std: 2.0"),),
+        ("envelope.*", "audit.rank_outliers"),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "straggler",
+        f"rank {FAULTY_RANK} sleeps 50 ms in every step",
+        (_on_faulty_rank("faults", "step_sleep_ms: 50"),),
+        ("audit.stragglers",),
+        str(FAULTY_RANK),
+    ),
+    Scenario(
+        "nan",
+        f"rank {FAULTY_RANK}'s loss turns NaN at step 15",
+        (_on_faulty_rank("faults", "nan_at_step: 15"),),
+        ("audit.nonfinite",),
+        str(FAULTY_RANK),
+    ),
 )
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (*CATALOGUE, CLEAN)}
@@ -116,12 +163,19 @@ class Outcome:
             verdict = "clean, nothing fired" if self.ok else "FALSE ALARM"
         else:
             verdict = "detected" + (", right rank" if self.right_rank else ", WRONG RANK") if self.detected else "NOT DETECTED"
-        return (f"{self.scenario:<18} seed {self.seed:<5} exit {self.exit_code}  fired: {fired}  ranks: {named}  "
-                f"-> {verdict}")
+        return f"{self.scenario:<18} seed {self.seed:<5} exit {self.exit_code}  fired: {fired}  ranks: {named}  -> {verdict}"
 
 
-def assess(scenario: Scenario, failed: Sequence[tuple[str, Sequence[int]]], world_size: int, *, seed: int,
-           exit_code: int, status: str = "complete", run_dir: str = "") -> Outcome:
+def assess(
+    scenario: Scenario,
+    failed: Sequence[tuple[str, Sequence[int]]],
+    world_size: int,
+    *,
+    seed: int,
+    exit_code: int,
+    status: str = "complete",
+    run_dir: str = "",
+) -> Outcome:
     """Judge one run: ``failed`` lists ``(check id, ranks named)`` for every failed finding.
 
     >>> lr = SCENARIOS["lr-x10"]
@@ -141,8 +195,7 @@ def assess(scenario: Scenario, failed: Sequence[tuple[str, Sequence[int]]], worl
     return Outcome(scenario.name, seed, exit_code, status, fired, named, detected, right, run_dir)
 
 
-def run_scenario(scenario: Scenario, seed: int, baseline, *, baseline_path: str, runs_root: Path,
-                 base_sets: Sequence[str] = ()) -> Outcome:
+def run_scenario(scenario: Scenario, seed: int, baseline, *, baseline_path: str, runs_root: Path, base_sets: Sequence[str] = ()) -> Outcome:
     """Run one probe with the scenario's faults, judge it against ``baseline`` and write its verdict."""
     from healthcheck.artifacts import default_run_dir
     from healthcheck.judge.verdict import judge, write_verdict
@@ -154,8 +207,7 @@ def run_scenario(scenario: Scenario, seed: int, baseline, *, baseline_path: str,
     assert result is not None  # run_named is never used under an external launcher
     world = config.distributed.nproc
     if result.status != "complete":
-        return assess(scenario, [], world, seed=seed, exit_code=int(ExitCode.PROBE_FAILED), status=result.status,
-                      run_dir=str(run_dir))
+        return assess(scenario, [], world, seed=seed, exit_code=int(ExitCode.PROBE_FAILED), status=result.status, run_dir=str(run_dir))
     verdict = judge(result, baseline, baseline_path=baseline_path)
     write_verdict(run_dir, verdict)
     failed = [(f.check, f.ranks) for f in verdict.failures]
@@ -202,13 +254,14 @@ def run_named(
     outcomes = []
     for scenario in chosen:
         for seed in range(first_seed, first_seed + seeds):
-            outcome = run_scenario(scenario, seed, loaded, baseline_path=str(path), runs_root=runs_root,
-                                   base_sets=base_sets)
+            outcome = run_scenario(scenario, seed, loaded, baseline_path=str(path), runs_root=runs_root, base_sets=base_sets)
             emit(outcome.line())
             outcomes.append(outcome)
     missed = [o for o in outcomes if not o.ok]
-    emit(f"{len(outcomes) - len(missed)}/{len(outcomes)} runs caught as expected" +
-         (f"; missed: {', '.join(f'{o.scenario} (seed {o.seed})' for o in missed)}" if missed else ""))
+    emit(
+        f"{len(outcomes) - len(missed)}/{len(outcomes)} runs caught as expected"
+        + (f"; missed: {', '.join(f'{o.scenario} (seed {o.seed})' for o in missed)}" if missed else "")
+    )
     return int(ExitCode.INCONSISTENT) if missed else int(ExitCode.PASS)
 
 
@@ -219,8 +272,10 @@ def catalogue_text() -> str:
         rows.append((s.name, " or ".join(s.expected_checks), s.expected_ranks, "  ".join(s.sets), s.description))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4] for row in rows]
-    lines.append(f"\nRun: healthcheck scenarios run NAME... [--seeds R]   (seeds {FIRST_SEED}, {FIRST_SEED + 1}, ...; "
-                 f"'clean' runs the unfaulted probe; 'all' runs the catalogue)")
+    lines.append(
+        f"\nRun: healthcheck scenarios run NAME... [--seeds R]   (seeds {FIRST_SEED}, {FIRST_SEED + 1}, ...; "
+        f"'clean' runs the unfaulted probe; 'all' runs the catalogue)"
+    )
     return "\n".join(lines)
 
 

@@ -33,9 +33,16 @@ class ScriptEnded(RuntimeError):
     """The script returned or exited before the probe had its ``train.steps`` optimizer steps."""
 
 
-def script_worker(config_json: str, run_dir: Optional[str], started_at: float, pg_timeout_s: Optional[float] = None,
-                  launch_attempt: int = 1, quiet_console: bool = False, fail_fast_json: Optional[str] = None,
-                  choose_run_dir: Optional[Callable[[], str]] = None) -> Optional[WorkerReport]:
+def script_worker(
+    config_json: str,
+    run_dir: Optional[str],
+    started_at: float,
+    pg_timeout_s: Optional[float] = None,
+    launch_attempt: int = 1,
+    quiet_console: bool = False,
+    fail_fast_json: Optional[str] = None,
+    choose_run_dir: Optional[Callable[[], str]] = None,
+) -> Optional[WorkerReport]:
     """Run the config's script on this rank; rank 0 returns the run's report.
 
     ``run_dir`` is known up front under healthcheck's own launcher; under torchrun it is None and
@@ -47,8 +54,9 @@ def script_worker(config_json: str, run_dir: Optional[str], started_at: float, p
     if quiet_console and run_dir:
         redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
     policy = FailFastPolicy.model_validate_json(fail_fast_json) if fail_fast_json else None
-    worker = _ScriptRun(config, Path(run_dir) if run_dir else None, started_at, choose_run_dir,
-                        show_progress=not quiet_console, fail_fast=policy)
+    worker = _ScriptRun(
+        config, Path(run_dir) if run_dir else None, started_at, choose_run_dir, show_progress=not quiet_console, fail_fast=policy
+    )
     try:
         return worker.run(launch_attempt)
     except BaseException as exc:
@@ -58,8 +66,15 @@ def script_worker(config_json: str, run_dir: Optional[str], started_at: float, p
 
 
 class _ScriptRun:
-    def __init__(self, config: ProbeConfig, run_dir: Optional[Path], started_at: float,
-                 choose_run_dir: Optional[Callable[[], str]], show_progress: bool, fail_fast: Optional[FailFastPolicy]):
+    def __init__(
+        self,
+        config: ProbeConfig,
+        run_dir: Optional[Path],
+        started_at: float,
+        choose_run_dir: Optional[Callable[[], str]],
+        show_progress: bool,
+        fail_fast: Optional[FailFastPolicy],
+    ):
         self.config, self.run_dir, self.started_at = config, run_dir, started_at
         self.fail_fast = fail_fast
         self.show_progress = show_progress
@@ -78,9 +93,14 @@ class _ScriptRun:
             self.heartbeat = Heartbeat(self.run_dir, self.rank)
             self.heartbeat.beat(-1, "script")
         hdist.set_worker_threads(hdist.get_dist_info().local_world_size)
-        hooks = SessionHooks(beat=self._beat, at_step_start=self._at_step_start, after_step=self._after_step,
-                             on_metrics=self._on_metrics, on_process_group=self._on_process_group,
-                             install_faults=lambda module: install_faults(module, self.rank_config.faults))
+        hooks = SessionHooks(
+            beat=self._beat,
+            at_step_start=self._at_step_start,
+            after_step=self._after_step,
+            on_metrics=self._on_metrics,
+            on_process_group=self._on_process_group,
+            install_faults=lambda module: install_faults(module, self.rank_config.faults),
+        )
         session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
         path = Path(self.config.script.path)
         argv = self.config.script.argv(self.config.train.seed)
@@ -98,8 +118,10 @@ class _ScriptRun:
                     if session.complete:
                         pass
                     elif exc.code not in (None, 0):
-                        raise ScriptEnded(f"the script exited with status {exc.code} after {session.steps_done} "
-                                          f"of {self.config.train.steps} optimizer steps") from None
+                        raise ScriptEnded(
+                            f"the script exited with status {exc.code} after {session.steps_done} "
+                            f"of {self.config.train.steps} optimizer steps"
+                        ) from None
                     else:
                         ended = "exited with status 0"
         finally:
@@ -158,8 +180,7 @@ def _ended_early(done: int, planned: int, how: str, built_ddp: bool) -> str:
     if done == 0:
         what = "" if built_ddp else " on a DistributedDataParallel model"
         return f"the script {how} without stepping an optimizer{what} (the probe needs {planned} steps)"
-    return (f"the script {how} after {done} of the probe's {planned} optimizer steps; give it more data or steps "
-            f"(or lower train.steps)")
+    return f"the script {how} after {done} of the probe's {planned} optimizer steps; give it more data or steps (or lower train.steps)"
 
 
 def script_exists_error(path: str) -> Optional[str]:

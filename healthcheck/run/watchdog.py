@@ -84,8 +84,11 @@ def describe_hang(beats: list[RankBeat], expected_ranks: int, idle_s: float) -> 
     laggards = [b for b in beats if b.progress == lowest]
     others = [b for b in beats if b.progress != lowest]
     first = laggards[0]
-    where = f"step {first.step} ({first.phase})" if first.step >= 0 else (
-        "the script, before its first optimizer step" if first.phase == "script" else "start-up")
+    where = (
+        f"step {first.step} ({first.phase})"
+        if first.step >= 0
+        else ("the script, before its first optimizer step" if first.phase == "script" else "start-up")
+    )
     if not others:
         return f"no progress for {idle_s:.0f} s: every rank stuck in {where}"
     ahead = max(others, key=lambda b: b.progress)
@@ -103,8 +106,15 @@ class Watchdog:
     training (``stalled_in_startup``), and the launcher may safely start the workers again.
     """
 
-    def __init__(self, run_dir: Path, nproc: int, timeout_s: float, poll_s: float = 0.5,
-                 startup_timeout_s: float | None = None, on_poll: Callable[[list[RankBeat]], None] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        nproc: int,
+        timeout_s: float,
+        poll_s: float = 0.5,
+        startup_timeout_s: float | None = None,
+        on_poll: Callable[[list[RankBeat]], None] | None = None,
+    ):
         self.run_dir, self.nproc, self.timeout_s, self.poll_s = run_dir, nproc, timeout_s, poll_s
         #: Called with every poll's heartbeats (the launcher's progress line reads them).
         self.on_poll = on_poll
@@ -132,8 +142,10 @@ class Watchdog:
             waited = time.monotonic() - started
             if len(beats) < self.nproc and waited >= self.startup_timeout_s:
                 missing = sorted(set(range(self.nproc)) - {b.rank for b in beats})
-                self.fired = (f"{ranks_phrase(missing)} did not join the process group within {waited:.0f} s of launch "
-                              f"(distributed.startup_timeout_s); stuck in start-up")
+                self.fired = (
+                    f"{ranks_phrase(missing)} did not join the process group within {waited:.0f} s of launch "
+                    f"(distributed.startup_timeout_s); stuck in start-up"
+                )
                 self.stalled_in_startup = True
                 self._kill(beats)
                 return

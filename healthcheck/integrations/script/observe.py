@@ -87,9 +87,14 @@ def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:
         queue += [getattr(current, name) for name in ("sampler", "batch_sampler") if getattr(current, name, None) is not None]
     if found is None:
         return None
-    return SamplerPlan(seed=int(found.seed), num_replicas=int(found.num_replicas), rank=int(found.rank),
-                       shuffle=bool(found.shuffle), drop_last=bool(found.drop_last),
-                       dataset_size=_size(found.dataset) or 0)
+    return SamplerPlan(
+        seed=int(found.seed),
+        num_replicas=int(found.num_replicas),
+        rank=int(found.rank),
+        shuffle=bool(found.shuffle),
+        drop_last=bool(found.drop_last),
+        dataset_size=_size(found.dataset) or 0,
+    )
 
 
 def _size(dataset: Any) -> Optional[int]:

@@ -28,7 +28,8 @@ from healthcheck.judge.rank_outliers import rank_outlier_audit, straggler_audit
 from healthcheck.judge.shard_audit import data_shard_audit, shard_overlap
 from healthcheck.judge.stats import binomial_tail, sign_test_p
 from healthcheck.judge.verdict import AuditCheck, judge
-from healthcheck.measure.evidence import parameter_hashes, planned_shards, tensor_bit_hash
+from healthcheck.measure.bit_hash import parameter_hashes, tensor_bit_hash
+from healthcheck.measure.evidence import planned_shards
 from healthcheck.ranks import rank_span, ranks_phrase
 from healthcheck.run.data import MicroBatches, ShardPlan, TokenizedSample
 from tests.synthetic_runs import CLEAN, clean_runs, make_result
