@@ -54,9 +54,7 @@ class RankInfo(Record):
         None, description="torch.initial_seed() read back after seeding (a script: at its first training forward)."
     )
     sampler_seed: Optional[int] = Field(None, description="The DistributedSampler's seed (data_seed, or the seed).")
-    sampler_rank: Optional[int] = Field(
-        None, description="The shard this rank's sampler reads (0 for every rank when replicated)."
-    )
+    sampler_rank: Optional[int] = Field(None, description="The shard this rank's sampler reads (0 for every rank when replicated).")
     sampler_replicas: Optional[int] = Field(None, description="Shards the sampler splits the data into.")
     precision: str = Field(description="fp32 or bf16 autocast (a script: as observed at its first training forward).")
     versions: dict[str, str] = Field(default_factory=dict, description="python/torch/transformers/cuda versions on this rank.")
@@ -84,9 +82,7 @@ class Timing(Record):
     startup_s: Optional[float] = Field(None, description="From command start to the first training step.")
     train_s: Optional[float] = Field(None, description="The training loop.")
     mean_step_ms: Optional[float] = Field(None, description="Mean wall time per optimizer step.")
-    launch_attempts: int = Field(
-        1, ge=1, description="Worker launches; 2 when the first stalled in start-up and the probe relaunched."
-    )
+    launch_attempts: int = Field(1, ge=1, description="Worker launches; 2 when the first stalled in start-up and the probe relaunched.")
     phases: dict[str, float] = Field(
         default_factory=dict,
         description="Seconds per phase on rank 0: launch (command start to the worker running), rendezvous, "
@@ -195,8 +191,9 @@ class RunResult(Record):
     nonfinite: list[NonFiniteEvent] = Field(default_factory=list, description="First non-finite event per rank.")
     audits: dict[str, Any] = Field(default_factory=dict, description="Exact audit results, by audit name.")
     loss_note: Optional[str] = Field(
-        None, description="Why the per-rank loss was not measured (a script whose loss healthcheck cannot see); "
-        "None when it was. The gradient metrics and the audits do not depend on it."
+        None,
+        description="Why the per-rank loss was not measured (a script whose loss healthcheck cannot see); "
+        "None when it was. The gradient metrics and the audits do not depend on it.",
     )
     stopped_early: Optional[EarlyStop] = Field(
         None, description="Set when the probe stopped at a decisive failure before train.steps (fail fast)."
@@ -241,9 +238,7 @@ def write_result(run_dir: Path, result: RunResult) -> None:
 
 def load_result(run_dir: Path) -> RunResult:
     """Read ``RUN_DIR/result.json`` or fail with a one-line error (exit 2)."""
-    return read_model_file(
-        Path(run_dir) / RESULT_FILE, RunResult, f"is {run_dir} a healthcheck run directory?"
-    )
+    return read_model_file(Path(run_dir) / RESULT_FILE, RunResult, f"is {run_dir} a healthcheck run directory?")
 
 
 # --------------------------------------------------------------------------- between processes
@@ -271,9 +266,27 @@ class RankEvidence(Record):
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Scalars the environment audit compares.")
     sampler: Optional[SamplerPlan] = Field(None, description="The DistributedSampler this rank read through, if any.")
-    shard_source: str = Field("sampler", description="What sharded the data: sampler (a DistributedSampler), "
-                              "loader (another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).")
+    shard_source: str = Field(
+        "sampler",
+        description="What sharded the data: sampler (a DistributedSampler), "
+        "loader (another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).",
+    )
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
+
+
+class ShardedEvidence(Record):
+    """FSDP2's replacement for replica equality: what every rank must still agree on when parameters are sharded.
+
+    Each list holds one entry per rank, in rank order.
+    """
+
+    plans: list[str] = Field(description="Digest of each rank's sharding plan (names, global shapes, dtypes, placements).")
+    plan_tensors: int = Field(0, ge=0, description="Sharded parameter tensors in the plan.")
+    start_hashes: list[list[int]] = Field(default_factory=list, description="Full-parameter bit hashes after sharding.")
+    end_hashes: list[list[int]] = Field(default_factory=list, description="Full-parameter bit hashes after the last step.")
+    optimizer_checks: list[tuple[int, list[dict[str, Any]]]] = Field(
+        default_factory=list, description="(step, each rank's optimizer settings and step count) at every check."
+    )
 
 
 class AuditEvidence(Record):
@@ -288,6 +301,7 @@ class AuditEvidence(Record):
         default_factory=list, description="(step, each rank's relative distance from the mean parameters) where hashes differed."
     )
     plan_samples: int = Field(0, ge=0, description="Samples in the data set the shared shard plan splits.")
+    sharded: Optional[ShardedEvidence] = Field(None, description="FSDP2 runs: the sharded-state evidence.")
 
 
 class WorkerReport(Record):

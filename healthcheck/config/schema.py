@@ -59,9 +59,7 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the model weights (and so of the gradient buckets)."
     )
-    trust_remote_code: bool = Field(
-        False, description="Allow custom modelling code from the model directory. Never turned on implicitly."
-    )
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model directory. Never turned on implicitly.")
 
 
 class DataConfig(_Section):
@@ -80,12 +78,8 @@ class DataConfig(_Section):
     synthetic_samples: int = Field(4096, ge=16, description="Rows generated for source synthetic.")
     max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows (None: all).")
     prompt_template: str = Field(ALPACA_PROMPT, description="Prompt for rows with an input; uses {instruction}, {input}.")
-    prompt_template_no_input: str = Field(
-        ALPACA_PROMPT_NO_INPUT, description="Prompt for rows with an empty input; uses {instruction}."
-    )
-    response_only_loss: bool = Field(
-        True, description="Mask prompt and padding tokens to -100 so only response tokens carry loss."
-    )
+    prompt_template_no_input: str = Field(ALPACA_PROMPT_NO_INPUT, description="Prompt for rows with an empty input; uses {instruction}.")
+    response_only_loss: bool = Field(True, description="Mask prompt and padding tokens to -100 so only response tokens carry loss.")
     max_length: int = Field(1024, ge=8, description="Truncate prompt+response to this many tokens.")
     sharding: Literal["distributed", "replicated"] = Field(
         "distributed",
@@ -141,9 +135,16 @@ class DistributedConfig(_Section):
         300.0, gt=0, le=86_400, description="Collective timeout, and the watchdog's limit on a probe making no progress."
     )
     startup_timeout_s: float = Field(
-        60.0, gt=0, le=86_400,
+        60.0,
+        gt=0,
+        le=86_400,
         description="Limit from launch until every worker has joined the process group. A worker that misses it "
         "is stuck before training (nothing was measured yet), so the probe relaunches once, then fails with exit 3.",
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: DistributedDataParallel replicas. fsdp: FSDP2 (fully_shard) on every transformer block "
+        "and the root, as the torchtitan and accelerate recipes shard; its baseline is baselines/<name>-fsdp.json.",
     )
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size.")
     gradient_as_bucket_view: bool = Field(False, description="DDP gradient_as_bucket_view.")
@@ -162,42 +163,53 @@ class MetricsConfig(_Section):
     warmup_steps: int = Field(10, ge=0, description="Steps excluded from the window statistics.")
     every: int = Field(1, ge=1, description="Sample the metrics every k-th step.")
     direction: Literal["exact", "sketch"] = Field(
-        "sketch", description="Pairwise cosine: exact Gram matrix, or a folded count sketch of p dims (p the largest "
-        "prime <= sketch_dim that divides no tensor dimension)."
+        "sketch",
+        description="Pairwise cosine: exact Gram matrix, or a folded count sketch of p dims (p the largest "
+        "prime <= sketch_dim that divides no tensor dimension).",
     )
     sketch_dim: int = Field(4096, ge=16, le=1 << 20, description="Sketch dimension k for direction=sketch.")
     param_check_every: int = Field(
-        10, ge=1, description="Hash every rank's parameters bit for bit after every k-th optimizer step (from step 0) "
-        "and after the last one, and compare them (the param_equality audit)."
+        10,
+        ge=1,
+        description="Hash every rank's parameters bit for bit after every k-th optimizer step (from step 0) "
+        "and after the last one, and compare them (the param_equality audit).",
     )
     reduction_check_every: int = Field(
-        10, ge=0, description="Compare the all-reduced gradient with a float64 mean of the gathered local gradients "
-        "every k-th step (0: never); a multiple of `every`. Costs one chunked gather of the gradients per check."
+        10,
+        ge=0,
+        description="Compare the all-reduced gradient with a float64 mean of the gathered local gradients "
+        "every k-th step (0: never); a multiple of `every`. Costs one chunked gather of the gradients per check.",
     )
     straggler_factor: float = Field(
-        1.035, gt=1, description="A rank is a straggler when the median, over steps, of its step time divided by the "
+        1.035,
+        gt=1,
+        description="A rank is a straggler when the median, over steps, of its step time divided by the "
         "other ranks' median is at least this, and it is persistently slower (straggler_max_p). Tuned on the CPU probe "
         "(healthy ranks reached 1.030 on 2 shared cores, a 50 ms straggler 1.047-1.10); on GPUs, whose clocks differ "
-        "by a few percent, 1.1 avoids flagging healthy devices."
+        "by a few percent, 1.1 avoids flagging healthy devices.",
     )
     straggler_max_p: float = Field(
-        1e-4, gt=0, lt=1, description="Persistence: a straggler must be slower than the other ranks' median in so many "
-        "steps that a rank no slower than the others does that with probability <= this (one-sided sign test)."
+        1e-4,
+        gt=0,
+        lt=1,
+        description="Persistence: a straggler must be slower than the other ranks' median in so many "
+        "steps that a rank no slower than the others does that with probability <= this (one-sided sign test).",
     )
 
     rank_outlier_max_p: float = Field(
-        1e-6, gt=0, lt=1, description="The rank_outliers audit names a rank that holds the highest or lowest loss, "
+        1e-6,
+        gt=0,
+        lt=1,
+        description="The rank_outliers audit names a rank that holds the highest or lowest loss, "
         "gradient norm, cosine to the mean or token count in so many steps that ranks reading shards of one dataset "
-        "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms."
+        "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms.",
     )
 
     @model_validator(mode="after")
     def _reduction_on_sampled_steps(self) -> "MetricsConfig":
         # The reduction check rides on the monitor's per-step gather, which runs on sampled steps only.
         if self.reduction_check_every % self.every:
-            raise ValueError(
-                f"reduction_check_every: must be 0 or a multiple of every ({self.every}), got {self.reduction_check_every}"
-            )
+            raise ValueError(f"reduction_check_every: must be 0 or a multiple of every ({self.every}), got {self.reduction_check_every}")
         return self
 
 
@@ -215,7 +227,9 @@ class FaultConfig(_Section):
     )
     hang_at_step: Optional[int] = Field(None, ge=0, description="Sleep forever at the start of this step (a hung worker).")
     startup_hang_launches: int = Field(
-        0, ge=0, le=100,
+        0,
+        ge=0,
+        le=100,
         description="Sleep forever before joining the process group in the first N launches of the probe "
         "(tests the distributed.startup_timeout_s relaunch).",
     )
@@ -224,9 +238,7 @@ class FaultConfig(_Section):
 class ScriptConfig(_Section):
     """The user's own training script, probed instead of the built-in trainer (``healthcheck probe --script``)."""
 
-    path: str = Field(
-        description="The training script, run unmodified as __main__ on every worker; relative to the working directory."
-    )
+    path: str = Field(description="The training script, run unmodified as __main__ on every worker; relative to the working directory.")
     args: list[str] = Field(
         default_factory=list,
         description="The script's arguments (its sys.argv[1:]). The text {seed} in an argument is replaced by "
@@ -305,7 +317,11 @@ class ProbeConfig(_Section):
         return self
 
     def baseline_path(self) -> Path:
-        return Path(self.baseline) if self.baseline else Path("baselines") / f"{self.name}.json"
+        """``baseline``, else ``baselines/<name>.json`` (``<name>-fsdp.json`` when sharded: other envelopes)."""
+        if self.baseline:
+            return Path(self.baseline)
+        suffix = "-fsdp" if self.distributed.strategy == "fsdp" else ""
+        return Path("baselines") / f"{self.name}{suffix}.json"
 
     def fingerprint(self) -> str:
         """Short stable hash of the resolved config (for baselines and reports)."""
@@ -327,14 +343,20 @@ def builtin_only_fields(config: ProbeConfig) -> list[str]:
     for section in ("model", "data", "train", "distributed", "faults"):
         current, reference = getattr(config, section), getattr(default, section)
         allowed = () if section in BUILTIN_ONLY_SECTIONS else SCRIPT_FIELDS[section]
-        out += [f"{section}.{name}" for name in type(current).model_fields
-                if name not in allowed and getattr(current, name) != getattr(reference, name)]
+        out += [
+            f"{section}.{name}"
+            for name in type(current).model_fields
+            if name not in allowed and getattr(current, name) != getattr(reference, name)
+        ]
     if config.seed_policy != default.seed_policy:
         out.append("seed_policy")
     for rank, override in sorted(config.rank_overrides.items()):
         out += [f"rank_overrides.{rank}.{section}" for section in sorted(map(str, override)) if section != "faults"]
-        out += [f"rank_overrides.{rank}.faults.{name}" for name in sorted(map(str, override.get("faults") or {}))
-                if name not in SCRIPT_FIELDS["faults"]]
+        out += [
+            f"rank_overrides.{rank}.faults.{name}"
+            for name in sorted(map(str, override.get("faults") or {}))
+            if name not in SCRIPT_FIELDS["faults"]
+        ]
     return sorted(out)
 
 

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, NonFiniteEvent, RankEvidence, RankInfo, WorkerReport
+from healthcheck.artifacts import (
+    AGGREGATES_FILE,
+    STEPS_FILE,
+    NonFiniteEvent,
+    RankEvidence,
+    RankInfo,
+    ShardedEvidence,
+    WorkerReport,
+)
 from healthcheck.config import ProbeConfig
 from healthcheck.files import read_jsonl
 from healthcheck.judge.audit_outcome import AuditOutcome, not_measured
@@ -25,11 +33,11 @@ from healthcheck.judge.exact_audits import (
 )
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.shard_audit import data_shard_audit
+from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.measure.evidence import planned_shards
 
 
-def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
-               nonfinite: Sequence[NonFiniteEvent]) -> dict[str, dict[str, Any]]:
+def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfinite: Sequence[NonFiniteEvent]) -> dict[str, dict[str, Any]]:
     """Every audit's ``result.audits`` entry for a finished probe.
 
     Args:
@@ -46,7 +54,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
         outcomes["data_shards"] = script_shard_audit(per_rank)
     else:
         outcomes["data_shards"] = builtin_shard_audit(config, [e.consumed for e in per_rank], evidence.plan_samples, world)
-    outcomes["param_equality"] = param_equality_audit(evidence.param_checks, evidence.param_names, evidence.param_drift)
+    outcomes.update(parameter_outcomes(evidence.param_checks, evidence.param_names, evidence.param_drift, evidence.sharded))
     if report.ranks:
         outcomes["seeds"] = seeds_from_evidence(report.ranks, per_rank, script=config.script is not None)
         outcomes["environment"] = environment_from_evidence(report.ranks, per_rank)
@@ -62,8 +70,9 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
         row_timing = timing_by_step.setdefault(row["step"], {key: [None] * world for key in keys})
         for key in keys:
             row_timing[key][row["rank"]] = row.get(key)
-    compute = {step: next((t[key] for key in keys if all(v is not None for v in t[key])), t["compute_ms"])
-               for step, t in timing_by_step.items()}
+    compute = {
+        step: next((t[key] for key in keys if all(v is not None for v in t[key])), t["compute_ms"]) for step, t in timing_by_step.items()
+    }
     metrics = config.metrics
     outcomes["stragglers"] = straggler_audit(compute, metrics.straggler_factor, metrics.straggler_max_p)
     per_step: dict[int, dict[str, list[Any]]] = {}
@@ -77,8 +86,26 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path,
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
 
 
-def builtin_shard_audit(config: ProbeConfig, consumed: Sequence[Sequence[tuple[int, list[int]]]], plan_samples: int,
-                        world: int) -> AuditOutcome:
+def parameter_outcomes(
+    checks: Sequence[tuple[int, Any]], names: Sequence[str], drift: Sequence[tuple[int, Any]], sharded: Optional[ShardedEvidence]
+) -> dict[str, AuditOutcome]:
+    """``param_equality`` for replicas (DDP); for FSDP2, ``sharded_state`` and a not-measured ``param_equality``."""
+    if sharded is None:
+        return {"param_equality": param_equality_audit(checks, names, drift)}
+    return {
+        "param_equality": not_measured(
+            "parameters are sharded (FSDP2): each shard has one owner, so there are no "
+            "replicas to compare; sharded_state checks what every rank must share"
+        ),
+        "sharded_state": sharded_state_audit(
+            sharded.plans, sharded.plan_tensors, sharded.start_hashes, sharded.end_hashes, sharded.optimizer_checks, names
+        ),
+    }
+
+
+def builtin_shard_audit(
+    config: ProbeConfig, consumed: Sequence[Sequence[tuple[int, list[int]]]], plan_samples: int, world: int
+) -> AuditOutcome:
     """The shard audit of the built-in trainer: what each rank read against torch's DistributedSampler plan
     with the global config's seed (``consumed[rank]`` is ``(epoch, sample ids)`` per micro-batch)."""
     epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
@@ -92,21 +119,33 @@ def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEviden
     """The seeds audit on every rank's start-up facts and recorded RNG states."""
     # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy).
     entropy_seeded = ("python", "numpy") if script else ()
-    return seed_audit([
-        {**{field: getattr(info, field) for field in SEED_FIELDS},
-         "rng_start": rank_evidence.rng.get("rng_start", {}),
-         "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {})}
-        for info, rank_evidence in zip(ranks, per_rank, strict=True)
-    ], entropy_seeded=entropy_seeded)
+    return seed_audit(
+        [
+            {
+                **{field: getattr(info, field) for field in SEED_FIELDS},
+                "rng_start": rank_evidence.rng.get("rng_start", {}),
+                "rng_after_first_step": rank_evidence.rng.get("rng_after_first_step", {}),
+            }
+            for info, rank_evidence in zip(ranks, per_rank, strict=True)
+        ],
+        entropy_seeded=entropy_seeded,
+    )
 
 
 def environment_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     """The environment audit: versions, variables, device name, precision and the recorded extras."""
-    return environment_audit([
-        {"versions": info.versions, "env": info.env, "device_name": info.device_name, "precision": info.precision,
-         **rank_evidence.extra}
-        for info, rank_evidence in zip(ranks, per_rank, strict=True)
-    ])
+    return environment_audit(
+        [
+            {
+                "versions": info.versions,
+                "env": info.env,
+                "device_name": info.device_name,
+                "precision": info.precision,
+                **rank_evidence.extra,
+            }
+            for info, rank_evidence in zip(ranks, per_rank, strict=True)
+        ]
+    )
 
 
 def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
@@ -118,8 +157,10 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     """
     consumed = [rank_evidence.consumed for rank_evidence in per_rank]
     if not any(consumed):
-        return not_measured("no DataLoader batches were seen on any rank: the script samples its data its own way, "
-                            "so shard overlap and order cannot be checked")
+        return not_measured(
+            "no DataLoader batches were seen on any rank: the script samples its data its own way, "
+            "so shard overlap and order cannot be checked"
+        )
     plans = [rank_evidence.sampler for rank_evidence in per_rank]
     if any(plan is None for plan in plans):
         return data_shard_audit(consumed, None)
@@ -129,6 +170,5 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     assert first is not None
     seed = first.seed if seeds[first.seed] == top else next(s for s, n in seeds.items() if n == top)
     epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
-    plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs,
-                          drop_last=first.drop_last)
+    plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs, drop_last=first.drop_last)
     return data_shard_audit(consumed, plan)

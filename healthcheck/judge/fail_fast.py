@@ -30,7 +30,7 @@ from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.ranks import ranks_phrase
 
 #: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
-DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "nonfinite")
+DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "nonfinite")
 
 
 class FailFast:
@@ -62,6 +62,7 @@ class FailFast:
     def nonfinite(self, step: int, ranks: Sequence[int]) -> bool:
         """A non-finite loss or gradient at ``step`` on ``ranks`` stops the run, fail fast or not."""
         if self.stop is None and ranks:
-            self.stop = EarlyStop(step=step, check="nonfinite",
-                                  message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}")
+            self.stop = EarlyStop(
+                step=step, check="nonfinite", message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}"
+            )
         return self.stop is not None

@@ -65,8 +65,7 @@ def _import_torch_npu() -> None:
         import torch_npu  # noqa: F401
     except ImportError as exc:
         raise InvalidInput(
-            "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); "
-            f"import failed: {exc}"
+            f"distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); import failed: {exc}"
         ) from None
 
 
@@ -88,8 +87,7 @@ def resolve_device(requested: str, local_world_size: int = 1) -> str:
             raise InvalidInput("distributed.device: 'cuda' requested but torch.cuda.is_available() is False")
         if torch.cuda.device_count() < local_world_size:
             raise InvalidInput(
-                f"distributed.device: 'cuda' needs one GPU per local worker; have {torch.cuda.device_count()}, "
-                f"nproc is {local_world_size}"
+                f"distributed.device: 'cuda' needs one GPU per local worker; have {torch.cuda.device_count()}, nproc is {local_world_size}"
             )
         return "cuda"
     if requested == "npu":
@@ -118,8 +116,10 @@ def device_reason(requested: str, resolved: str, local_world_size: int = 1) -> s
 
     if not torch.cuda.is_available():
         return "device=auto: no CUDA device is visible, so the workers run on the CPU"
-    return (f"device=auto: {torch.cuda.device_count()} GPU(s) for {local_world_size} local workers; NCCL needs one GPU "
-            f"per worker, so the workers run on the CPU")
+    return (
+        f"device=auto: {torch.cuda.device_count()} GPU(s) for {local_world_size} local workers; NCCL needs one GPU "
+        f"per worker, so the workers run on the CPU"
+    )
 
 
 def resolve_backend(requested: str, device_type: str) -> str:
@@ -223,6 +223,20 @@ def all_reduce_async(tensor, group=None):
     import torch.distributed as dist
 
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def all_to_all_single(output, tensor, group=None) -> None:
+    """Row r of ``tensor`` goes to rank r; row j of ``output`` comes from rank j (both ``[world, n]``)."""
+    import torch.distributed as dist
+
+    dist.all_to_all_single(output, tensor, group=group)
+
+
+def group_ranks(group=None) -> list[int]:
+    """The global ranks in ``group``, in group-rank order."""
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
 
 
 def all_gather_objects(obj: Any, group=None) -> list[Any]:

@@ -1,7 +1,8 @@
 """Evidence for the exact audits, recorded on the workers; :mod:`healthcheck.judge.assemble` turns it into
 ``result.audits`` after the run.
 
-On every rank (``healthcheck.run.trainer.TrainLoop`` makes these calls)::
+On every rank (``healthcheck.run.trainer.TrainLoop`` makes these calls; under FSDP2, ``sharded=True``
+replaces the parameter hashes by :mod:`healthcheck.measure.sharded_state`)::
 
     recorder = AuditRecorder(ddp.module, param_check_every=10)
     recorder.record_rng("rng_start", device)          # before the first step
@@ -23,12 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from healthcheck.artifacts import AuditEvidence, RankEvidence, SamplerPlan
 from healthcheck.measure import distributed as hdist
-
-#: Elements hashed at a time: bounds the int64 temporaries to a few tens of MiB per tensor.
-_HASH_CHUNK_NUMEL = 1 << 22
-# Odd multiplier of the golden-ratio hash (2^64 / phi), as a signed int64 so torch accepts it.
-_WEIGHT_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
-_WEIGHT_OFFSET = 0x632BE59BD9B4E019
+from healthcheck.measure.bit_hash import parameter_hashes
 
 
 class AuditRecorder:
@@ -41,7 +37,7 @@ class AuditRecorder:
         extra: Scalars to compare across ranks in the environment audit (e.g. the model dtype).
     """
 
-    def __init__(self, model: Any, *, param_check_every: int, extra: Mapping[str, Any] | None = None):
+    def __init__(self, model: Any, *, param_check_every: int, extra: Mapping[str, Any] | None = None, sharded: bool = False):
         if param_check_every < 1:
             raise ValueError(f"param_check_every: expected a positive int, got {param_check_every!r}")
         self.model = model
@@ -56,6 +52,21 @@ class AuditRecorder:
         self.sampler: Optional[SamplerPlan] = None
         self.shard_source = "sampler"
         self.loss_problem: Optional[str] = None
+        # FSDP2: no parameter is replicated, so check steps compare the optimizer instead (collective).
+        self.sharded = None
+        if sharded:
+            from healthcheck.measure.sharded_state import ShardedStateRecorder
+
+            self.sharded = ShardedStateRecorder(model)
+
+    def sharded_evidence(self) -> Any:
+        """The sharded-state evidence so far (FSDP2), or None for replicas."""
+        return self.sharded.evidence if self.sharded is not None else None
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """The optimizer whose settings and step count a sharded run compares on check steps."""
+        if self.sharded is not None:
+            self.sharded.optimizer = optimizer
 
     def record_batch(self, epoch: int, sample_ids: Sequence[int]) -> None:
         self.consumed.append((int(epoch), [int(i) for i in sample_ids]))
@@ -76,10 +87,17 @@ class AuditRecorder:
         step, so the collectives still match). ``plan_samples``: the size of the data set the shared
         shard plan splits (rank 0's value is the one kept).
         """
-        if self.last_step is not None and (not self.param_checks or self.param_checks[-1][0] != self.last_step):
+        if self.last_step is not None and not self.checked_at(self.last_step):
             self._check_params(self.last_step)
-        local_evidence = RankEvidence(consumed=self.consumed, rng=self.rng, extra=self.extra, sampler=self.sampler,
-                                      shard_source=self.shard_source, loss_problem=self.loss_problem)
+        sharded = self.sharded.finish() if self.sharded is not None else None
+        local_evidence = RankEvidence(
+            consumed=self.consumed,
+            rng=self.rng,
+            extra=self.extra,
+            sampler=self.sampler,
+            shard_source=self.shard_source,
+            loss_problem=self.loss_problem,
+        )
         everyone = hdist.all_gather_objects(local_evidence.model_dump())
         if hdist.rank() != 0:
             return None
@@ -89,6 +107,7 @@ class AuditRecorder:
             param_names=self.param_names(),
             param_drift=self.param_drift,
             plan_samples=plan_samples,
+            sharded=sharded,
         )
 
     def param_names(self) -> list[str]:
@@ -96,11 +115,18 @@ class AuditRecorder:
         return [name for name, _ in self.model.named_parameters()]
 
     def checked_at(self, step: int) -> bool:
-        """Whether a parameter check ran after ``step`` (its table is the last in ``param_checks``)."""
+        """Whether a parameter check ran after ``step`` (its table is the last one recorded)."""
+        if self.sharded is not None:
+            checks = self.sharded.evidence.optimizer_checks
+            return bool(checks) and checks[-1][0] == step
         return bool(self.param_checks) and self.param_checks[-1][0] == step
 
     def _check_params(self, step: int) -> None:
         import torch
+
+        if self.sharded is not None:
+            self.sharded.check_optimizer(step)
+            return
 
         parameters = [p for _, p in self.model.named_parameters()]
         hashes = parameter_hashes(parameters)
@@ -144,39 +170,6 @@ def parameter_drift(parameters: Sequence[Any]) -> list[float]:
 # --------------------------------------------------------------------------- hashing
 
 
-def tensor_bit_hash(tensor: Any) -> Any:
-    """A 0-d int64 device tensor that changes with any change to ``tensor``'s bits, computed on its device.
-
-    The bits are read as integers (fp32 as int32, bf16/fp16 as int16, fp64 as int64) and summed with
-    odd position-dependent weights, modulo 2^64. Integer sums do not depend on the reduction order, so
-    equal tensors give equal hashes on any device; a change in one element always changes the hash
-    (an odd weight times a non-zero difference below 2^64 is never 0 mod 2^64).
-    """
-    import torch
-
-    flat = tensor.detach().reshape(-1)
-    if flat.is_floating_point():
-        width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-        flat = flat.view(width)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), _HASH_CHUNK_NUMEL):
-        chunk = flat[start : start + _HASH_CHUNK_NUMEL].to(torch.int64)
-        # int64 arithmetic wraps on CPU and GPU alike; that wrap-around is the intended modulo 2^64.
-        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
-        weights = (weights * _WEIGHT_MULTIPLIER + _WEIGHT_OFFSET) | 1
-        total += (chunk * weights).sum()
-    return total
-
-
-def parameter_hashes(parameters: Sequence[Any]) -> Any:
-    """One :func:`tensor_bit_hash` per parameter, as a 1-D int64 tensor on the parameters' device."""
-    import torch
-
-    if not parameters:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([tensor_bit_hash(p) for p in parameters])
-
-
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -202,7 +195,12 @@ def rng_state_hashes(device: Any = None) -> dict[str, str]:
 
 
 def planned_shards(
-    n_samples: int, world_size: int, seed: int, shuffle: bool, micro_batch_size: int, epochs: int,
+    n_samples: int,
+    world_size: int,
+    seed: int,
+    shuffle: bool,
+    micro_batch_size: int,
+    epochs: int,
     drop_last: bool = True,
 ) -> dict[tuple[int, int], list[int]]:
     """``(rank, epoch) -> sample ids`` that a correct run reads: torch's own DistributedSampler with the
@@ -213,7 +211,11 @@ def planned_shards(
     for rank in range(world_size):
         sampler: Any = DistributedSampler(
             range(n_samples),  # type: ignore[arg-type]  # any sized sequence works; the stub wants a Dataset
-            num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
         )
         for epoch in range(epochs):
             sampler.set_epoch(epoch)

@@ -42,6 +42,9 @@ class InFlight:
     gram: Optional[Any]  #: exact mode: the float64 Gram (identical on every rank)
     buckets: int
     sketch_dim: int = 0  #: sketch mode: the sketch's length (its fp32 bits follow the header)
+    #: What is read off the Gram besides the pairwise cosines: "" nothing (exact dots and norms in the
+    #: header), "cosine" the cosine to the mean (norms stay exact), "all" norms, dots and ‖ḡ‖² too.
+    from_gram: str = ""
     source: Any = None  #: this rank's packed vector, kept alive while the collective may still read it
 
 
@@ -70,18 +73,32 @@ def pack(
         values = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in measured]
         loss_value, sqnorm_value = values[0], values[1]
         nonfinite = (loss is not None and not math.isfinite(loss_value)) or not math.isfinite(sqnorm_value)
-        header = torch.tensor([values[0], float("nan") if tokens is None else float(tokens), *values[1:],
-                               float(nonfinite), 0.0 if loss is None else 1.0,
-                               *(float("nan") if extras[n] is None else float(extras[n]) for n in names)],
-                              dtype=torch.float64)
+        header = torch.tensor(
+            [
+                values[0],
+                float("nan") if tokens is None else float(tokens),
+                *values[1:],
+                float(nonfinite),
+                0.0 if loss is None else 1.0,
+                *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
+            ],
+            dtype=torch.float64,
+        )
         parts = [header]
     else:
         # Device scalars are stacked as they are (no host sync); plain numbers become one tensor at once.
-        on_device = torch.stack([torch.as_tensor(float("nan") if v is None else v, dtype=torch.float64, device=device)
-                                 .reshape(()) for v in measured])
-        numbers = torch.tensor([float("nan") if tokens is None else float(tokens), 0.0 if loss is None else 1.0,
-                                *(float("nan") if extras[n] is None else float(extras[n]) for n in names)],
-                               dtype=torch.float64, device=device)
+        on_device = torch.stack(
+            [torch.as_tensor(float("nan") if v is None else v, dtype=torch.float64, device=device).reshape(()) for v in measured]
+        )
+        numbers = torch.tensor(
+            [
+                float("nan") if tokens is None else float(tokens),
+                0.0 if loss is None else 1.0,
+                *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
         loss_tensor, sqnorm_tensor = on_device[0], on_device[1]
         # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
         flag = ((numbers[1] > 0) & ~torch.isfinite(loss_tensor) | ~torch.isfinite(sqnorm_tensor)).to(torch.float64)
@@ -124,28 +141,64 @@ def launch(
     gram: Any = None,
     buckets: int = 0,
     overlap: bool = True,
+    from_gram: str = "",
 ) -> InFlight:
     """Pack this rank's pieces (0-d device tensors or numbers; ``loss`` None = not measured) and gather them.
 
     In exact mode pass ``gram`` (and zeros for ``dot``/``mean_sqnorm``: they are read off the Gram);
     in sketch mode pass ``sketch``. A collective: every rank calls it with the same extras' keys.
+    ``from_gram``: see :attr:`InFlight.from_gram` (exact mode always reads everything off its Gram).
     """
-    flat, names = pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=dot, mean_sqnorm=mean_sqnorm, extras=extras,
-                       sketch=sketch)
+    flat, names = pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=dot, mean_sqnorm=mean_sqnorm, extras=extras, sketch=sketch)
     if overlap:
         work, rows = distributed.all_gather_rows_async(flat, group)
     else:
         work, rows = None, distributed.all_gather_rows(flat, group)
-    return InFlight(step=step, direction=direction, world=world, work=work, rows=rows, names=names, gram=gram,
-                    buckets=buckets, source=flat, sketch_dim=0 if sketch is None else sketch.numel())
+    return InFlight(
+        step=step,
+        direction=direction,
+        world=world,
+        work=work,
+        rows=rows,
+        names=names,
+        gram=gram,
+        buckets=buckets,
+        source=flat,
+        sketch_dim=0 if sketch is None else sketch.numel(),
+        from_gram="all" if gram is not None else from_gram,
+    )
 
 
-def gathered(*, step: int, direction: str, world: int, rows: Any, names: list[str], gram: Any = None,
-             buckets: int = 0) -> InFlight:
+def gathered(*, step: int, direction: str, world: int, rows: Any, names: list[str], gram: Any = None, buckets: int = 0) -> InFlight:
     """A step whose rows were already gathered by the caller (exact mode's header rides on its last
     gradient chunk: one collective instead of two)."""
-    return InFlight(step=step, direction=direction, world=world, work=None, rows=rows, names=names, gram=gram,
-                    buckets=buckets)
+    return InFlight(
+        step=step,
+        direction=direction,
+        world=world,
+        work=None,
+        rows=rows,
+        names=names,
+        gram=gram,
+        buckets=buckets,
+        from_gram="all" if gram is not None else "",
+    )
+
+
+def dots_from_sketch_cosines(gram: list[list[float]], sqnorms: list[float], mean_sq: float) -> list[float]:
+    """⟨g_i, ḡ⟩ as the sketches' cosine to their mean times the exact norms: the cosine to the mean is then
+    the sketch's estimate, and the norms (used by the dispersion and diversity metrics) stay exact.
+
+    >>> dots_from_sketch_cosines([[1.0, 0.0], [0.0, 1.0]], [4.0, 4.0], 2.0)
+    [2.0, 2.0]
+    """
+    sketch_sq, sketch_dots, sketch_mean_sq = gram_statistics(gram)
+    out = []
+    for sq, dot, exact_sq in zip(sketch_sq, sketch_dots, sqnorms, strict=True):
+        scale = sq * sketch_mean_sq
+        cosine = dot / math.sqrt(scale) if scale > 0 else math.nan
+        out.append(cosine * math.sqrt(max(exact_sq, 0.0) * max(mean_sq, 0.0)))
+    return out
 
 
 def finished_within(inflight: InFlight, timeout_s: float) -> bool:
@@ -180,12 +233,14 @@ def complete(inflight: InFlight) -> StepMetrics:
     def column(name: str) -> list[float]:
         return [row[_COLUMN[name]] for row in values]
 
-    if inflight.gram is not None:
+    if inflight.from_gram == "all":
         sqnorms, dots, mean_sq = gram_statistics(gram_rows)
     else:
         sqnorms, dots = column("sqnorm"), column("dot")
         # Each rank measured ‖ḡ‖² over its own part of the reduced mean (a slice, or its FSDP shard).
         mean_sq = fsum(column("mean_sqnorm"))
+        if inflight.from_gram == "cosine":
+            dots = dots_from_sketch_cosines(gram_rows, sqnorms, mean_sq)
     tokens = column("tokens")
     return compute_step_metrics(
         step=inflight.step,

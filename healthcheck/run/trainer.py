@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE
 from healthcheck.config import ProbeConfig
 from healthcheck.files import JsonlWriter
-from healthcheck.judge.exact_audits import param_equality_audit
+from healthcheck.judge.assemble import parameter_outcomes
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure.distributed import DistInfo
 from healthcheck.measure.evidence import AuditRecorder
@@ -26,6 +26,7 @@ from healthcheck.measure.step_gather import CLOSE_WAIT_S
 from healthcheck.run.data import IGNORE_INDEX, MicroBatches
 from healthcheck.run.faults import at_step_start as faults_at_step_start
 from healthcheck.run.progress import StepProgress
+from healthcheck.run.sharding import sync_context
 from healthcheck.run.watchdog import Heartbeat
 
 
@@ -45,7 +46,7 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def micro_step_loss(ddp_model: Any, batch: dict[str, Any], device: Any, precision: str) -> Any:
+def micro_step_loss(model: Any, batch: dict[str, Any], device: Any, precision: str) -> Any:
     """Summed token cross-entropy of one micro-batch (the caller normalises by the step's tokens)."""
     import torch.nn.functional as F
 
@@ -53,11 +54,9 @@ def micro_step_loss(ddp_model: Any, batch: dict[str, Any], device: Any, precisio
     labels = batch["labels"].to(device, non_blocking=True)
     attention = batch["attention_mask"].to(device, non_blocking=True)
     with _autocast(device, precision):
-        logits = ddp_model(input_ids=input_ids, attention_mask=attention).logits
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
     shifted = logits[:, :-1, :].float()
-    return F.cross_entropy(
-        shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def response_tokens(batch: dict[str, Any]) -> int:
@@ -66,7 +65,7 @@ def response_tokens(batch: dict[str, Any]) -> int:
 
 
 def backward_over_micro_batches(
-    ddp: Any,
+    model: Any,
     micro: list[dict[str, Any]],
     device: Any,
     *,
@@ -75,7 +74,8 @@ def backward_over_micro_batches(
     poison: bool = False,
     before_last_backward: Optional[Callable[[], None]] = None,
 ) -> tuple[Any, int]:
-    """Forward and backward every micro-batch of one optimizer step; DDP syncs on the last one only.
+    """Forward and backward every micro-batch of one optimizer step; gradients are reduced on the last one
+    only (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``: :func:`~healthcheck.run.sharding.sync_context`).
 
     The loss is normalised by the step's response tokens on this rank (known before any forward),
     so an all-truncated micro-batch contributes zero instead of 0/0. ``poison`` makes the loss NaN
@@ -89,8 +89,8 @@ def backward_over_micro_batches(
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro):
         is_last = index == len(micro) - 1
-        with contextlib.nullcontext() if is_last else ddp.no_sync():
-            summed = micro_step_loss(ddp, batch, device, precision)
+        with sync_context(model, is_last):
+            summed = micro_step_loss(model, batch, device, precision)
             if poison:
                 summed = summed * float("nan")
             if is_last and before_last_backward is not None:
@@ -100,12 +100,12 @@ def backward_over_micro_batches(
     return loss_sum * (loss_scale / denominator), tokens
 
 
-def apply_update(ddp: Any, optimizer: Any, scheduler: Any = None, *, max_grad_norm: Optional[float]) -> None:
+def apply_update(model: Any, optimizer: Any, scheduler: Any = None, *, max_grad_norm: Optional[float]) -> None:
     """Clip the all-reduced gradient, step the optimizer (and scheduler), clear the gradients."""
     import torch
 
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -121,7 +121,7 @@ class TrainLoop:
         rank_config: This rank's resolved config (its train settings and faults).
         info: Where this process sits in the job.
         device: The torch device it computes on.
-        ddp, monitor, optimizer, scheduler: The model under test and what drives it.
+        model, monitor, optimizer, scheduler: The model under test (DDP or the FSDP2 root) and what drives it.
         batches: This rank's micro-batches.
         run_dir: Where rank 0 writes the rows.
         heartbeat: The watchdog's view of this rank's progress.
@@ -136,7 +136,7 @@ class TrainLoop:
     rank_config: ProbeConfig
     info: DistInfo
     device: Any
-    ddp: Any
+    model: Any
     monitor: Any
     optimizer: Any
     scheduler: Any
@@ -219,8 +219,13 @@ class TrainLoop:
             if self.audit is not None:  # the epoch is read after next(), which may have started a new one
                 self.audit.record_batch(self.batches.epoch, micro[-1]["sample_ids"])
         local_loss, tokens = backward_over_micro_batches(
-            self.ddp, micro, self.device, precision=train.precision, loss_scale=train.loss_scale,
-            poison=faults.nan_at_step == step, before_last_backward=lambda: self.heartbeat.beat(step, "backward"),
+            self.model,
+            micro,
+            self.device,
+            precision=train.precision,
+            loss_scale=train.loss_scale,
+            poison=faults.nan_at_step == step,
+            before_last_backward=lambda: self.heartbeat.beat(step, "backward"),
         )
         _sync(self.device)
         # Until DDP's last all-reduce completed: a moment all ranks share, so it includes the wait for
@@ -229,14 +234,18 @@ class TrainLoop:
         self.heartbeat.beat(step, "sync")
         metrics = self.monitor.end_step(local_loss, tokens=tokens, extras=extras)
         self.heartbeat.beat(step, "optimizer")
-        apply_update(self.ddp, self.optimizer, self.scheduler, max_grad_norm=train.max_grad_norm)
+        apply_update(self.model, self.optimizer, self.scheduler, max_grad_norm=train.max_grad_norm)
         if self.audit is not None:
             if step == 0:
                 self.audit.record_rng("rng_after_first_step", self.device)
             self.audit.after_optimizer_step(step)  # collective on parameter-check steps
             if self.audit.checked_at(step):  # every rank holds the same hash table: the same decision
-                self.fail_fast.judge(step, {"param_equality": param_equality_audit(
-                    self.audit.param_checks, self.audit.param_names(), self.audit.param_drift)})
+                self.fail_fast.judge(
+                    step,
+                    parameter_outcomes(
+                        self.audit.param_checks, self.audit.param_names(), self.audit.param_drift, self.audit.sharded_evidence()
+                    ),
+                )
         return metrics
 
 

@@ -19,7 +19,12 @@ from typing import Callable, Optional
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.errors import InvalidInput
-from healthcheck.judge.assemble import builtin_shard_audit, environment_from_evidence, seeds_from_evidence
+from healthcheck.judge.assemble import (
+    builtin_shard_audit,
+    environment_from_evidence,
+    parameter_outcomes,
+    seeds_from_evidence,
+)
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
@@ -30,6 +35,7 @@ from healthcheck.run.failures import record_worker_failure
 from healthcheck.run.faults import before_process_group as faults_before_process_group
 from healthcheck.run.faults import install_faults
 from healthcheck.run.modeling import build_model, load_tokenizer
+from healthcheck.run.sharding import wrap_model
 from healthcheck.run.trainer import TrainLoop
 from healthcheck.run.watchdog import Heartbeat
 
@@ -47,8 +53,15 @@ class PhaseClock:
         self.last = now
 
 
-def start_checks(fail_fast: FailFast, config: ProbeConfig, ranks: list[RankInfo], audit: AuditRecorder,
-                 batches: MicroBatches, plan_samples: int, grad_accum_steps: int) -> None:
+def start_checks(
+    fail_fast: FailFast,
+    config: ProbeConfig,
+    ranks: list[RankInfo],
+    audit: AuditRecorder,
+    batches: MicroBatches,
+    plan_samples: int,
+    grad_accum_steps: int,
+) -> None:
     """Collective, before the first step: judge seeds, environment and the data shards on what is already known.
 
     The shards are judged on each rank's sampler plan for the whole probe (what it *will* read), so an
@@ -58,11 +71,15 @@ def start_checks(fail_fast: FailFast, config: ProbeConfig, ranks: list[RankInfo]
     reads = batches.planned_reads(config.train.steps * grad_accum_steps)
     mine = RankEvidence(consumed=reads, rng=audit.rng, extra=audit.extra)
     everyone = [RankEvidence.model_validate(item) for item in hdist.all_gather_objects(mine.model_dump())]
-    fail_fast.judge(0, {
+    outcomes = {
         "data_shards": builtin_shard_audit(config, [e.consumed for e in everyone], plan_samples, len(ranks)),
         "seeds": seeds_from_evidence(ranks, everyone, script=False),
         "environment": environment_from_evidence(ranks, everyone),
-    })
+    }
+    sharded = audit.sharded_evidence()
+    if sharded is not None:  # FSDP2: the sharding plan and the all-gathered parameters are known now
+        outcomes["sharded_state"] = parameter_outcomes([], audit.param_names(), [], sharded)["sharded_state"]
+    fail_fast.judge(0, outcomes)
     if fail_fast.stop is not None and fail_fast.stop.check == "data_shards":
         audit.consumed = reads
 
@@ -89,15 +106,22 @@ def lr_lambda(warmup_steps: int) -> Callable[[int], float]:
     >>> [round(lr_lambda(4)(s), 2) for s in range(5)]
     [0.25, 0.5, 0.75, 1.0, 1.0]
     """
+
     def factor(step: int) -> float:
         return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
     return factor
 
 
-def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s: Optional[float] = None,
-                 launch_attempt: int = 1, quiet_console: bool = False,
-                 fail_fast_json: Optional[str] = None) -> Optional[WorkerReport]:
+def probe_worker(
+    config_json: str,
+    run_dir: str,
+    started_at: float,
+    pg_timeout_s: Optional[float] = None,
+    launch_attempt: int = 1,
+    quiet_console: bool = False,
+    fail_fast_json: Optional[str] = None,
+) -> Optional[WorkerReport]:
     """Train ``config.train.steps`` steps on this rank; rank 0 returns the run's report.
 
     ``quiet_console``: under healthcheck's own launcher, this worker's output goes to its log in the run
@@ -112,18 +136,24 @@ def probe_worker(config_json: str, run_dir: str, started_at: float, pg_timeout_s
     if quiet_console:
         redirect_worker_output(Path(run_dir), hdist.get_dist_info().rank)
     try:
-        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt, not quiet_console,
-                      policy, entered)
+        return _train(config, Path(run_dir), started_at, step_marker, pg_timeout_s, launch_attempt, not quiet_console, policy, entered)
     except BaseException as exc:
         record_worker_failure(Path(run_dir), hdist.get_dist_info().rank, step_marker["step"], exc)
         raise
 
 
-def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: dict[str, Optional[int]],
-           pg_timeout_s: Optional[float], launch_attempt: int, show_progress: bool, policy: Optional[FailFastPolicy],
-           entered: float) -> Optional[WorkerReport]:
+def _train(
+    config: ProbeConfig,
+    run_dir: Path,
+    started_at: float,
+    step_marker: dict[str, Optional[int]],
+    pg_timeout_s: Optional[float],
+    launch_attempt: int,
+    show_progress: bool,
+    policy: Optional[FailFastPolicy],
+    entered: float,
+) -> Optional[WorkerReport]:
     import torch
-    from torch.nn.parallel import DistributedDataParallel
 
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
@@ -149,33 +179,53 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
         tokenizer = load_tokenizer(rank_config.model)
         samples = prepare_samples(rank_config.data, tokenizer, cache_key=rank_config.model.name)
         model = build_model(rank_config.model, len(tokenizer), rank_config.data.max_length).to(device)
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[info.local_rank] if device.type == "cuda" else None,
-            bucket_cap_mb=config.distributed.bucket_cap_mb,
-            gradient_as_bucket_view=config.distributed.gradient_as_bucket_view,
-        )
+        strategy = config.distributed.strategy
+        if strategy == "fsdp" and rank_config.faults.grad_noise_std > 0:
+            raise InvalidInput(
+                "faults.grad_noise_std cannot be injected with distributed.strategy=fsdp: FSDP2 runs "
+                "parameter hooks on the sharded, already reduce-scattered gradient"
+            )
+        wrapped = wrap_model(model, config.distributed, device, info.world_size)
         # The sketch projection must be identical on every rank, so it is seeded from the global
         # config, never from this rank's (possibly perturbed) seed.
         monitor = WorkerConsistencyMonitor(
-            ddp, direction=config.metrics.direction, sketch_dim=config.metrics.sketch_dim,
-            every=config.metrics.every, seed=config.train.seed, reduction_every=config.metrics.reduction_check_every,
+            wrapped,
+            direction=config.metrics.direction,
+            sketch_dim=config.metrics.sketch_dim,
+            every=config.metrics.every,
+            seed=config.train.seed,
+            reduction_every=config.metrics.reduction_check_every,
         )
         install_faults(model, rank_config.faults)
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(rank_config.train.lr_warmup_steps))
         plan = shard_plan(rank_config.data, rank_config.train, info.rank, info.world_size)
         batches = MicroBatches(samples, plan, rank_config.train, tokenizer.pad_token_id)
 
         rank_info = RankInfo(
-            rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
-            device_name=device_name(device), seed=rank_config.train.seed, sampler_seed=plan.seed,
-            sampler_rank=plan.rank, sampler_replicas=plan.replicas, precision=rank_config.train.precision,
-            versions=versions(), env=rank_environment(), **seeds,
+            rank=info.rank,
+            local_rank=info.local_rank,
+            node=info.node,
+            node_rank=info.node_rank,
+            device=str(device),
+            device_name=device_name(device),
+            seed=rank_config.train.seed,
+            sampler_seed=plan.seed,
+            sampler_rank=plan.rank,
+            sampler_replicas=plan.replicas,
+            precision=rank_config.train.precision,
+            versions=versions(),
+            env=rank_environment(),
+            **seeds,
         )
         all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]
-        audit = AuditRecorder(model, param_check_every=config.metrics.param_check_every,
-                              extra={"model_dtype": rank_config.model.dtype})
+        audit = AuditRecorder(
+            model,
+            param_check_every=config.metrics.param_check_every,
+            extra={"model_dtype": rank_config.model.dtype, "strategy": strategy},
+            sharded=strategy == "fsdp",
+        )
+        audit.watch_optimizer(optimizer)
         audit.record_rng("rng_start", device)
         # The shard plan is the *global* config's, whatever this rank's data override says (every rank
         # computes the same size: one sample per data row).
@@ -187,9 +237,21 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
         clock.lap("start_checks")
 
         loop = TrainLoop(
-            config=config, rank_config=rank_config, info=info, device=device, ddp=ddp, monitor=monitor,
-            optimizer=optimizer, scheduler=scheduler, batches=batches, run_dir=run_dir, heartbeat=heartbeat,
-            audit=audit, fail_fast=fail_fast, step_marker=step_marker, show_progress=show_progress,
+            config=config,
+            rank_config=rank_config,
+            info=info,
+            device=device,
+            model=wrapped,
+            monitor=monitor,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            batches=batches,
+            run_dir=run_dir,
+            heartbeat=heartbeat,
+            audit=audit,
+            fail_fast=fail_fast,
+            step_marker=step_marker,
+            show_progress=show_progress,
         )
         first_step_at = time.time()
         if fail_fast.stop is None:
@@ -201,10 +263,17 @@ def _train(config: ProbeConfig, run_dir: Path, started_at: float, step_marker: d
         if evidence is None:  # not rank 0
             return None
         return WorkerReport(
-            evidence=evidence, ranks=all_ranks, device_type=device_type,
+            evidence=evidence,
+            ranks=all_ranks,
+            device_type=device_type,
             device_reason=hdist.device_reason(config.distributed.device, device_type, info.local_world_size),
-            backend=backend, world_size=info.world_size, startup_s=first_step_at - started_at, train_s=loop.train_s,
-            steps_completed=loop.steps_completed, stopped_early=fail_fast.stop, phases=clock.phases,
+            backend=backend,
+            world_size=info.world_size,
+            startup_s=first_step_at - started_at,
+            train_s=loop.train_s,
+            steps_completed=loop.steps_completed,
+            stopped_early=fail_fast.stop,
+            phases=clock.phases,
         )
     finally:
         hdist.destroy_distributed()

@@ -30,8 +30,7 @@ from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.patches import install
-from healthcheck.judge.assemble import environment_from_evidence, script_shard_audit, seeds_from_evidence
-from healthcheck.judge.exact_audits import param_equality_audit
+from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
@@ -57,8 +56,7 @@ class SessionHooks:
 class ScriptSession:
     """Measures one script run on this rank; see the module docstring. Use as a context manager."""
 
-    def __init__(self, config: ProbeConfig, hooks: SessionHooks, started_at: float,
-                 fail_fast: Optional[FailFastPolicy] = None):
+    def __init__(self, config: ProbeConfig, hooks: SessionHooks, started_at: float, fail_fast: Optional[FailFastPolicy] = None):
         self.config, self.hooks, self.started_at = config, hooks, started_at
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
@@ -89,8 +87,7 @@ class ScriptSession:
 
         self._patches = install(self)
         self.capture.__enter__()
-        self._handles = [register_optimizer_step_pre_hook(self._pre_step),
-                         register_optimizer_step_post_hook(self._post_step)]
+        self._handles = [register_optimizer_step_pre_hook(self._pre_step), register_optimizer_step_post_hook(self._post_step)]
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -119,8 +116,7 @@ class ScriptSession:
 
     def on_ddp(self, ddp: Any) -> None:
         if self.ddp is not None:
-            raise InvalidInput("the script builds a second DistributedDataParallel model; a probe measures one "
-                               "trained model")
+            raise InvalidInput("the script builds a second DistributedDataParallel model; a probe measures one trained model")
         from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         metrics = self.config.metrics
@@ -128,8 +124,12 @@ class ScriptSession:
         try:
             # The sketch map must be identical on every rank: it is seeded from the probe's config.
             self.monitor = WorkerConsistencyMonitor(
-                ddp, direction=metrics.direction, sketch_dim=metrics.sketch_dim, every=metrics.every,
-                seed=self.config.train.seed, reduction_every=metrics.reduction_check_every,
+                ddp,
+                direction=metrics.direction,
+                sketch_dim=metrics.sketch_dim,
+                every=metrics.every,
+                seed=self.config.train.seed,
+                reduction_every=metrics.reduction_check_every,
             )
         finally:
             self._registering = False
@@ -212,8 +212,12 @@ class ScriptSession:
         step = self.steps_done
         self.audit.after_optimizer_step(step)  # collective on parameter-check steps
         if self.audit.checked_at(step):  # every rank holds the same hash table: the same decision
-            self.fail_fast.judge(step, {"param_equality": param_equality_audit(
-                self.audit.param_checks, self.audit.param_names(), self.audit.param_drift)})
+            self.fail_fast.judge(
+                step,
+                parameter_outcomes(
+                    self.audit.param_checks, self.audit.param_names(), self.audit.param_drift, self.audit.sharded_evidence()
+                ),
+            )
         self.steps_done += 1
         if self.steps_done >= self.config.train.steps or self.fail_fast.stop is not None:
             self._finish()
@@ -228,8 +232,9 @@ class ScriptSession:
         """At the first step: what every rank trains with, gathered once (a collective)."""
         assert self.audit is not None
         facts = self.first_forward or {}
-        self.audit.extra.update({"model_dtype": facts.get("model_dtype", "unknown"),
-                                 **observe.optimizer_facts(optimizer), **observe.ddp_facts(self.ddp)})
+        self.audit.extra.update(
+            {"model_dtype": facts.get("model_dtype", "unknown"), **observe.optimizer_facts(optimizer), **observe.ddp_facts(self.ddp)}
+        )
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
         loader = self.loaders.training_loader()
@@ -239,23 +244,41 @@ class ScriptSession:
 
         device = torch.device(facts.get("device", "cpu"))
         rank_info = RankInfo(
-            rank=info.rank, local_rank=info.local_rank, node=info.node, node_rank=info.node_rank, device=str(device),
-            device_name=device_name(device), torch_seed=facts.get("torch_seed"),
-            sampler_seed=plan.seed if plan else None, sampler_rank=plan.rank if plan else None,
-            sampler_replicas=plan.num_replicas if plan else None, precision=facts.get("precision", "unknown"),
-            versions=versions(), env=rank_environment(),
+            rank=info.rank,
+            local_rank=info.local_rank,
+            node=info.node,
+            node_rank=info.node_rank,
+            device=str(device),
+            device_name=device_name(device),
+            torch_seed=facts.get("torch_seed"),
+            sampler_seed=plan.seed if plan else None,
+            sampler_rank=plan.rank if plan else None,
+            sampler_replicas=plan.num_replicas if plan else None,
+            precision=facts.get("precision", "unknown"),
+            versions=versions(),
+            env=rank_environment(),
         )
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and
         # the first step's DataLoader indices.
-        early = RankEvidence(consumed=list(loader.batches) if loader else [], rng=self.audit.rng, extra=self.audit.extra,
-                             sampler=plan, shard_source="none" if loader is None else ("sampler" if plan else "loader"))
+        early = RankEvidence(
+            consumed=list(loader.batches) if loader else [],
+            rng=self.audit.rng,
+            extra=self.audit.extra,
+            sampler=plan,
+            shard_source="none" if loader is None else ("sampler" if plan else "loader"),
+        )
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump()})
         self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
         if self.fail_fast.policy.enabled:
             per_rank = [RankEvidence.model_validate(item["evidence"]) for item in gathered]
-            self.fail_fast.judge(0, {"data_shards": script_shard_audit(per_rank),
-                                     "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
-                                     "environment": environment_from_evidence(self._all_ranks, per_rank)})
+            self.fail_fast.judge(
+                0,
+                {
+                    "data_shards": script_shard_audit(per_rank),
+                    "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
+                    "environment": environment_from_evidence(self._all_ranks, per_rank),
+                },
+            )
         self._first_step_at = time.time()
         self._train_started = time.perf_counter()
 
@@ -277,9 +300,14 @@ class ScriptSession:
             return
         device_type = self._all_ranks[0].device.split(":")[0] if self._all_ranks else "cpu"
         self.report = WorkerReport(
-            evidence=evidence, ranks=self._all_ranks, device_type=device_type,
-            device_reason=f"the script placed its model on {device_type}", backend=str(dist.get_backend()),
-            world_size=dist.get_world_size(), startup_s=self._first_step_at - self.started_at,
-            train_s=time.perf_counter() - self._train_started, steps_completed=self.steps_done,
+            evidence=evidence,
+            ranks=self._all_ranks,
+            device_type=device_type,
+            device_reason=f"the script placed its model on {device_type}",
+            backend=str(dist.get_backend()),
+            world_size=dist.get_world_size(),
+            startup_s=self._first_step_at - self.started_at,
+            train_s=time.perf_counter() - self._train_started,
+            steps_completed=self.steps_done,
             stopped_early=self.fail_fast.stop,
         )

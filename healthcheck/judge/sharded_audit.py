@@ -1,0 +1,98 @@
+"""The ``sharded_state`` audit: under FSDP2, do all ranks agree on what they must share?
+
+Parameters are sharded (one owner per shard), so there are no replicas to compare; the evidence
+(:mod:`healthcheck.measure.sharded_state`) is each rank's sharding-plan digest, the bit hashes of the
+all-gathered parameters after sharding and after the last step, and the optimizer's settings and step
+count on every check step. The first disagreement found is the one reported::
+
+    >>> facts = [{"param_groups": [{"lr": 0.001}], "step": 1}] * 3 + [{"param_groups": [{"lr": 0.01}], "step": 1}]
+    >>> outcome = sharded_state_audit(["p"] * 4, 7, [[1, 2]] * 4, [[3, 4]] * 4, [(0, facts)], ["a", "b"])
+    >>> outcome.passed, outcome.ranks, outcome.message
+    (False, (3,), "rank 3's optimizer differs at step 0: param_groups.0.lr 0.01 (ranks 0-2: 0.001)")
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, ranks_phrase
+
+
+def sharded_state_audit(
+    plans: Sequence[str],
+    plan_tensors: int,
+    start_hashes: Sequence[Sequence[int]],
+    end_hashes: Sequence[Sequence[int]],
+    optimizer_checks: Sequence[tuple[int, Sequence[Any]]],
+    names: Sequence[str],
+) -> AuditOutcome:
+    """Sharding plan, all-gathered parameters and optimizer: the same on every rank?"""
+    world = len(plans)
+    details: dict[str, Any] = {"plan_tensors": plan_tensors, "check_steps": [step for step, _ in optimizer_checks]}
+    groups = group_ranks(list(plans))
+    if len(groups) > 1:
+        odd = odd_ones_out(groups)
+        return AuditOutcome(
+            False,
+            f"the sharding plan (parameter names, shapes, dtypes, placements) differs on "
+            f"{ranks_phrase(odd)} from {ranks_phrase(groups[0])}",
+            f"plan {partition_signature(groups)}",
+            tuple(odd),
+            details,
+        )
+    for when, table in (("after sharding", start_hashes), ("after the last step", end_hashes)):
+        groups = group_ranks([tuple(row) for row in table])
+        if len(groups) > 1:
+            odd = odd_ones_out(groups)
+            reference = table[groups[0][0]]
+            column = min(t for r in odd for t in range(len(reference)) if table[r][t] != reference[t])
+            tensor = names[column] if column < len(names) else f"#{column}"
+            return AuditOutcome(
+                False,
+                f"the all-gathered parameters differ {when} on {ranks_phrase(odd)} (first "
+                f"differing tensor: {tensor}); every rank must see the same full parameters",
+                f"params {when.split()[0]} {partition_signature(groups)}",
+                tuple(odd),
+                details,
+            )
+    for step, facts in optimizer_checks:
+        groups = group_ranks([json.dumps(f, sort_keys=True) for f in facts])
+        if len(groups) > 1:
+            odd = odd_ones_out(groups)
+            majority = facts[groups[0][0]]
+            path, theirs, ours = first_difference(facts[odd[0]], majority)
+            return AuditOutcome(
+                False,
+                f"{ranks_phrase(odd)}'s optimizer differs at step {step}: {path} {theirs} ({ranks_phrase(groups[0])}: {ours})",
+                f"optimizer {partition_signature(groups)}",
+                tuple(odd),
+                details,
+            )
+    checks = len(optimizer_checks)
+    return AuditOutcome(
+        True,
+        f"{ranks_phrase(range(world))} agree on the sharding plan ({plan_tensors} tensors), the "
+        f"all-gathered parameters after sharding and after the last step, and the optimizer at "
+        f"{checks} check{'s' if checks != 1 else ''}",
+        "agreed",
+        (),
+        details,
+    )
+
+
+def first_difference(value: Any, reference: Any, path: str = "") -> tuple[str, Any, Any]:
+    """The first dotted path where two JSON-like values differ, with both values there.
+
+    >>> first_difference({"a": [1, {"b": 2}]}, {"a": [1, {"b": 3}]})
+    ('a.1.b', 2, 3)
+    """
+    if isinstance(value, dict) and isinstance(reference, dict):
+        for key in sorted(set(value) | set(reference), key=str):
+            if value.get(key) != reference.get(key):
+                return first_difference(value.get(key), reference.get(key), f"{path}.{key}" if path else str(key))
+    if isinstance(value, list) and isinstance(reference, list) and len(value) == len(reference):
+        for index, (a, b) in enumerate(zip(value, reference, strict=True)):
+            if a != b:
+                return first_difference(a, b, f"{path}.{index}" if path else str(index))
+    return path, value, reference

@@ -1,0 +1,149 @@
+"""Everything healthcheck touches of FSDP2's (``fully_shard``) private API, in one place (torch 2.13).
+
+FSDP2 calls a parameter group's reduce-scatter comm once per synchronising backward with this rank's
+flat, zero-padded, *unsharded* local gradient of the group (viewed ``(W, S)``: row r is what rank r
+will own), possibly pre-divided, before the reduce-scatter. The public hook is
+``FSDPModule.set_custom_reduce_scatter(comm)``; the comm protocol (``ReduceScatter``: ``allocate`` and
+``__call__(output_tensor, input_tensor, group, op, async_op)``), the parameter groups and the divide
+factors are private. The capture test (``tests/multiprocess/test_fsdp_monitor.py``) pins them.
+
+Facts this module relies on (torch/distributed/fsdp/_fully_shard/):
+
+* ``set_custom_reduce_scatter`` sets only that module's groups (not recursive) and refuses modules with
+  several parameter groups; those get the group's private ``_reduce_scatter_comm`` instead.
+* Padding elements of the input are exact zeros, so norms, dot products and a linear sketch over the
+  padded buffer are exact.
+* For fp32/bf16 reductions the op is AVG and nothing is pre-divided; other reduce dtypes (fp16, fp64) are
+  pre-divided by a power of two before the comm (``_get_gradient_divide_factors``).
+* World size 1 never calls the comm.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+
+def is_fsdp_module(model: Any) -> bool:
+    """Whether ``model`` is a module sharded with ``fully_shard`` (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def param_groups(root: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """``(module, state, param group)`` for every FSDP parameter group under ``root``, in ``root.modules()``
+    order (the same on every rank). A state shared by a grouped ``fully_shard([a, b])`` is visited once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        for group in state._fsdp_param_groups:
+            yield module, state, group
+
+
+def reduce_scatter_group(param_group: Any) -> Any:
+    """The process group a parameter group reduce-scatters over."""
+    return param_group._reduce_scatter_process_group
+
+
+def install(module: Any, state: Any, param_group: Any, comm: Any) -> Any:
+    """Install ``comm`` on ``param_group``; return the comm it replaces (to delegate to and to restore)."""
+    inner = param_group._reduce_scatter_comm
+    if len(state._fsdp_param_groups) == 1:
+        module.set_custom_reduce_scatter(comm)
+    else:  # the public setter refuses several groups per module (a per-parameter mesh)
+        param_group._reduce_scatter_comm = comm
+    return inner
+
+
+def restore(param_group: Any, inner: Any) -> None:
+    param_group._reduce_scatter_comm = inner
+
+
+def true_gradient_scale(param_group: Any, group: Any, input_tensor: Any, op: Any) -> tuple[float, float]:
+    """``(pre, sum_scale)``: the comm input times ``pre`` is this rank's true local gradient, and the
+    reduce-scatter output times ``sum_scale`` is the sum of every rank's local gradient on this shard.
+
+    Recomputed with FSDP's own function from the group's settings, and checked against the op FSDP
+    passed: if they disagree, FSDP changed under us and the scale cannot be trusted.
+    """
+    from torch.distributed.distributed_c10d import ReduceOp
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    pre, _, expected, _ = _get_gradient_divide_factors(
+        group,
+        None,
+        input_tensor.dtype,
+        input_tensor.device.type,
+        param_group.gradient_divide_factor,
+        param_group.force_sum_reduction_for_comms,
+    )
+    pre = float(pre) if pre is not None else 1.0
+    kind, factor = _op_kind(op)
+    if kind != _op_kind(expected)[0]:
+        raise RuntimeError(
+            f"FSDP2 reduce-scatter op {kind} differs from the recomputed {expected}: this torch's "
+            "gradient scaling is not the one healthcheck knows (torch 2.13)"
+        )
+    world = group.size()
+    kinds: Any = ReduceOp.RedOpType  # the pybind enum's members are invisible to type checkers
+    if kind == kinds.AVG:
+        return pre, pre * world
+    if kind == kinds.SUM:
+        return pre, pre
+    if kind == kinds.PREMUL_SUM and factor:
+        return pre, pre / factor
+    raise RuntimeError(f"unexpected FSDP2 reduce-scatter op {op}")
+
+
+def _op_kind(op: Any) -> tuple[Any, Any]:
+    from torch.distributed.distributed_c10d import ReduceOp
+
+    kinds: Any = ReduceOp.RedOpType
+    if isinstance(op, kinds):
+        return op, None
+    kind = op.op
+    return kind, (op.factor if kind == kinds.PREMUL_SUM else None)
+
+
+@functools.lru_cache(maxsize=None)
+def comm_class() -> type:
+    """The ``ReduceScatter`` subclass that forwards every call to a callback (built on first use: the base
+    class is private and importing it imports torch)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class MonitoredReduceScatter(ReduceScatter):
+        """One parameter group's comm: buffers from the comm it wraps, every call to ``on_call``."""
+
+        def __init__(self, index: int, param_group: Any, on_call: Callable[..., Any]):
+            self.index, self.param_group, self.on_call = index, param_group, on_call
+            self.inner: Any = None
+
+        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+            if async_op:  # FSDP 2.13 never asks: it relies on the call having finished (or been enqueued)
+                raise NotImplementedError("healthcheck's FSDP2 reduce-scatter supports async_op=False only")
+            return self.on_call(self, output_tensor, input_tensor, group, op)
+
+    return MonitoredReduceScatter
+
+
+def keep_for_default_stream(tensor: Any) -> Any:
+    """A tensor made inside the comm (FSDP's reduce-scatter stream) and read later on the default stream:
+    tell the CUDA caching allocator, so its memory is not reused before that read. No-op on CPU."""
+    if tensor.device.type == "cuda":
+        import torch
+
+        tensor.record_stream(torch.cuda.default_stream(tensor.device))
+    return tensor

@@ -1,0 +1,242 @@
+"""The consistency monitor for FSDP2 (``fully_shard``): the DDP monitor's metrics from the reduce-scatter.
+
+FSDP2 hands each parameter group's reduce-scatter comm this rank's unsharded local gradient of the group,
+flat and zero-padded, viewed ``(W, S)`` (row r: what rank r will own). The monitor wraps every group's
+comm (:mod:`healthcheck.measure.fsdp_internals`) and, on sampled steps, before passing the call through:
+
+* ``direction="exact"``: an ``all_to_all`` in column chunks hands rank r every rank's slice of shard r,
+  so it adds that shard's part of the W×W float64 Gram; one W×W all-reduce in ``end_step`` completes it.
+  Norms, ⟨g_i, ḡ⟩ and ‖ḡ‖² are read off the Gram, so everything is exact. Extra traffic: one all-to-all,
+  the reduce-scatter's volume. Memory: chunk temporaries, streamed per group (never a second copy of the
+  unsharded gradient), except with ``reduce_scatter_every_microbatch`` (below).
+* ``direction="sketch"``: the folded sketch of the local gradient (re-salted every step, so its errors
+  do not repeat from step to step), its exact ‖g_i‖², and this rank's exact part of ‖ḡ‖² from its
+  reduce-scattered shard. Pairwise cosines and the cosine to the mean are the sketch's estimates (std
+  ≤ sqrt(2/p)): an exact ⟨g_i, ḡ⟩ needs a gradient-sized exchange, which is what exact mode is for.
+  No extra gradient-sized traffic, no per-parameter memory.
+
+Gradient accumulation. With ``set_requires_gradient_sync(False)`` on all but the last micro-batch (what
+``healthcheck probe --set distributed.strategy=fsdp`` does) each group is reduce-scattered once per step,
+with the accumulated local gradient. By default FSDP2 reduce-scatters every micro-batch instead; then
+sketch mode adds the micro-batches' sketches (the sketch is linear) and reads norms, ⟨g_i, ḡ⟩ and ‖ḡ‖²
+off the sketches, and exact mode needs ``reduce_scatter_every_microbatch=True``: it then keeps the
+received slices of every micro-batch (one unsharded gradient's worth per rank: the cross terms between
+micro-batches need them) and computes the Gram in ``end_step``. Without it, a second call raises.
+
+The reduction check (``reduction_every``) compares each rank's reduce-scattered shard with the float64
+mean of the slices the all-to-all brought (exact mode has them; sketch mode exchanges on check steps).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from healthcheck.measure import distributed, fsdp_internals, step_gather
+from healthcheck.measure.exact_pass import reduction_error
+from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
+from healthcheck.measure.precision import dot_fp32, unit_roundoff
+from healthcheck.measure.step_gather import InFlight
+
+
+class FSDPConsistencyMonitor(ConsistencyMonitor):
+    """Per-step worker consistency of an FSDP2 model; arguments as for ``WorkerConsistencyMonitor``.
+
+    Args:
+        model: The FSDP2 root module (``fully_shard`` applied to it and, usually, to its blocks).
+        reduce_scatter_every_microbatch: Exact mode only: FSDP2 reduce-scatters every micro-batch of
+            gradient accumulation (no ``set_requires_gradient_sync(False)``); see the module docstring.
+
+    Raises:
+        TypeError: ``model`` has no FSDP2 parameter group.
+        ValueError: One rank (FSDP2 then never reduce-scatters), HSDP, or groups over different ranks.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        direction: str = "sketch",
+        sketch_dim: int = 4096,
+        every: int = 1,
+        seed: int = 0,
+        exact_chunk_numel: int = 2**22,
+        reduction_every: int = 0,
+        process_group: Any = None,
+        overlap: bool = True,
+        reduce_scatter_every_microbatch: bool = False,
+    ):
+        groups = list(fsdp_internals.param_groups(model))
+        if not groups:
+            raise TypeError("WorkerConsistencyMonitor: the FSDP2 module has no parameter group to monitor")
+        reduce_groups = [fsdp_internals.reduce_scatter_group(param_group) for _, _, param_group in groups]
+        if any(hasattr(param_group.mesh_info, "replicate_process_group") for _, _, param_group in groups):
+            raise ValueError(
+                "WorkerConsistencyMonitor: HSDP (a replicate x shard mesh) is not supported: the "
+                "reduce-scatter sees only the shard group's ranks"
+            )
+        group = process_group if process_group is not None else reduce_groups[0]
+        ranks = {tuple(distributed.group_ranks(g)) for g in reduce_groups}
+        if len(ranks) > 1:
+            raise ValueError("WorkerConsistencyMonitor: FSDP2 parameter groups reduce-scatter over different ranks")
+        if distributed.world_size(group) < 2:
+            raise ValueError("WorkerConsistencyMonitor: FSDP2 on one rank never reduce-scatters; there is nothing to compare")
+        super().__init__(
+            direction=direction,
+            sketch_dim=sketch_dim,
+            every=every,
+            seed=seed,
+            exact_chunk_numel=exact_chunk_numel,
+            reduction_every=reduction_every,
+            overlap=overlap,
+            group=group,
+            dims=[d for p in model.parameters() for d in p.shape],
+        )
+        self.every_microbatch = bool(reduce_scatter_every_microbatch)
+        self._groups = len(groups)
+        self._calls: dict[int, int] = {}
+        self._gram: dict[int, Any] = {}  # exact: this shard's W x W Gram part, per group
+        self._slices: dict[int, Any] = {}  # exact + every micro-batch: every rank's slices of this shard
+        self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
+        self._roundoff = 0.0
+        comm_class = fsdp_internals.comm_class()
+        self._comms = []
+        for index, (module, state, param_group) in enumerate(groups):
+            comm = comm_class(index, param_group, self._on_reduce_scatter)
+            comm.inner = fsdp_internals.install(module, state, param_group, comm)
+            self._comms.append(comm)
+
+    # ----------------------------------------------------------------------- the comm
+
+    def _on_reduce_scatter(self, comm: Any, output: Any, local: Any, group: Any, op: Any) -> Any:
+        if not self._sampling():
+            return comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)
+        import torch
+
+        self._arrived = time.perf_counter()
+        index, world = comm.index, self._world
+        calls = self._calls[index] = self._calls.get(index, 0) + 1
+        if calls > 1 and self.direction == "exact" and not self.every_microbatch:
+            raise RuntimeError(
+                "WorkerConsistencyMonitor: FSDP2 reduce-scattered a parameter group twice in one optimizer step "
+                "(gradient accumulation without set_requires_gradient_sync(False)); exact mode then needs "
+                "reduce_scatter_every_microbatch=True, or use direction='sketch'"
+            )
+        pre, sum_scale = fsdp_internals.true_gradient_scale(comm.param_group, group, local, op)
+        checking = self._checking_reduction()
+        if self.direction == "exact" or checking:
+            mean64 = self._exchange(index, local.view(world, -1), pre, group, checking)
+        comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
+        keep = fsdp_internals.keep_for_default_stream
+        self._sqnorm[index] = keep(dot_fp32(local, local) * (pre * pre))
+        mean_shard = output.to(torch.float32) * (sum_scale / world)  # ḡ on this rank's shard
+        self._mean_sqnorm[index] = keep(dot_fp32(mean_shard, mean_shard))
+        if self.direction == "sketch":
+            assert self._sketcher is not None
+            # Re-salted per step: the estimates' errors are independent from step to step.
+            sketch = self._sketcher(index + self._groups * self._step, local) * pre
+            self._sketch[index] = keep(sketch if calls == 1 else self._sketch[index] + sketch)
+        if checking:
+            diff = output.to(torch.float64) * (sum_scale / world) - mean64[0]
+            sums = torch.stack([diff @ diff, mean64[0] @ mean64[0], mean64[1] @ mean64[1]])
+            previous = self._reduction.get(index)
+            self._reduction[index] = keep(sums if previous is None else previous + sums)
+            self._roundoff = max(self._roundoff, unit_roundoff(local.dtype))
+        return None
+
+    def _exchange(self, index: int, rows: Any, pre: float, group: Any, checking: bool) -> Any:
+        """All-to-all in column chunks: this rank receives every rank's slice of its own shard. Adds this
+        shard's part of the Gram (or keeps the slices), and returns ``[mean, mean |g|]`` of the shard in
+        float64 when ``checking`` (else None)."""
+        import torch
+
+        world, width = rows.shape
+        exact = self.direction == "exact"
+        keep = fsdp_internals.keep_for_default_stream
+        if exact and self.every_microbatch and index not in self._slices:
+            self._slices[index] = keep(torch.zeros(world, width, dtype=torch.float32, device=rows.device))
+        if exact and not self.every_microbatch and index not in self._gram:
+            self._gram[index] = keep(torch.zeros(world, world, dtype=torch.float64, device=rows.device))
+        means = torch.zeros(2, width, dtype=torch.float64, device=rows.device) if checking else None
+        step = max(1, self.exact_chunk_numel // world)
+        for first in range(0, width, step):
+            last = min(width, first + step)
+            send = rows[:, first:last].contiguous()  # row r goes to rank r
+            received = torch.empty_like(send)
+            distributed.all_to_all_single(received, send, group)  # received[j] = g_j on my shard / pre
+            block = received.to(torch.float64) * pre
+            if exact and self.every_microbatch:
+                self._slices[index][:, first:last] += block.to(torch.float32)
+            elif exact:
+                self._gram[index].addmm_(block, block.T)
+            if means is not None:
+                means[0, first:last] = block.sum(0) / world
+                means[1, first:last] = block.abs().sum(0) / world
+        return means
+
+    # ----------------------------------------------------------------------- the step
+
+    def _multi_call(self) -> bool:
+        return any(calls > 1 for calls in self._calls.values())
+
+    def _sketch_gram_use(self) -> str:
+        # One reduce-scatter per group: exact norms, the cosine to the mean from the sketch. Several (per
+        # micro-batch): only the sketches describe the accumulated gradient, so everything comes from them.
+        return "all" if self._multi_call() else "cosine"
+
+    def _dot_total(self, indices: list[int]) -> Any:
+        import torch
+
+        return torch.zeros((), dtype=torch.float64, device=self._sqnorm[indices[0]].device)
+
+    def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
+        import torch
+
+        sqnorm = sum_partials(self._sqnorm, indices)
+        gram = torch.zeros(self._world, self._world, dtype=torch.float64, device=sqnorm.device)
+        for index in indices:
+            if self.every_microbatch:
+                slices = self._slices[index]
+                step_width = max(1, self.exact_chunk_numel // self._world)
+                for first in range(0, slices.shape[1], step_width):
+                    block = slices[:, first : first + step_width].to(torch.float64)
+                    gram.addmm_(block, block.T)
+            else:
+                gram += self._gram[index]
+        distributed.all_reduce_async(gram, self._group).wait()  # every shard's part: the whole Gram everywhere
+        if checking:
+            extras.update(self._reduction_extras(indices))
+        zero = torch.zeros((), dtype=torch.float64, device=sqnorm.device)
+        return step_gather.launch(
+            step=step,
+            direction=self.direction,
+            group=self._group,
+            world=self._world,
+            loss=loss,
+            tokens=tokens,
+            sqnorm=sqnorm,
+            dot=zero,
+            mean_sqnorm=zero,
+            extras=extras,
+            gram=gram,
+            buckets=len(indices),
+            overlap=self.overlap,
+        )
+
+    def _reduction_extras(self, indices: list[int]) -> dict[str, float]:
+        import torch
+
+        sums = torch.stack([self._reduction[index] for index in indices]).sum(0)
+        return reduction_error(sums.cpu().tolist(), self._world, self._roundoff)
+
+    def _clear_partials(self) -> None:
+        super()._clear_partials()
+        for partials in (self._calls, self._gram, self._slices, self._reduction):
+            partials.clear()
+
+    def close(self) -> None:
+        """Stop measuring and give every parameter group its own reduce-scatter back."""
+        super().close()
+        for comm in self._comms:
+            fsdp_internals.restore(comm.param_group, comm.inner)
+        self._comms = []

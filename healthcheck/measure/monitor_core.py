@@ -1,0 +1,228 @@
+"""What every consistency monitor shares, whatever reduces the gradients (DDP's all-reduce, FSDP2's
+reduce-scatter): its settings, the per-step partial results its comm hook fills, and ``end_step``.
+
+A monitor's comm hook records, per gradient bucket or parameter group (its *index*) and on the device,
+this rank's ‖g_i‖² (``_sqnorm``), ⟨g_i, ḡ⟩ (``_dot``), its part of ‖ḡ‖² (``_mean_sqnorm``: the parts
+sum to it over ranks) and, in sketch mode, the sketch (``_sketch``). ``end_step`` packs them and starts
+the step's one gather (:mod:`healthcheck.measure.step_gather`); exact mode's Gram and the reduction
+check are the subclass's (:meth:`ConsistencyMonitor._exact_pieces`, :meth:`ConsistencyMonitor._reduction_extras`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Mapping
+
+from healthcheck.measure import distributed, step_gather
+from healthcheck.measure.metrics import StepMetrics
+from healthcheck.measure.sketch import FoldedSketch
+from healthcheck.measure.step_gather import CLOSE_WAIT_S, InFlight
+
+DIRECTIONS = ("exact", "sketch")
+
+
+class ConsistencyMonitor:
+    """The shared half of a monitor; see :class:`healthcheck.measure.monitor.WorkerConsistencyMonitor` for
+    the arguments, which every monitor takes alike.
+
+    Args (besides those): ``group``: the process group the gradients are reduced over; ``dims``: the
+    model's tensor dimensions (the sketch's prime divides none of them).
+    """
+
+    def __init__(
+        self,
+        *,
+        direction: str,
+        sketch_dim: int,
+        every: int,
+        seed: int,
+        exact_chunk_numel: int,
+        reduction_every: int,
+        overlap: bool,
+        group: Any,
+        dims: Iterable[int],
+    ):
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+        for name, value in (("sketch_dim", sketch_dim), ("every", every), ("exact_chunk_numel", exact_chunk_numel)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(reduction_every, int) or reduction_every < 0 or reduction_every % every:
+            raise ValueError(f"reduction_every: expected 0 or a multiple of every={every}, got {reduction_every!r}")
+        self.direction = direction
+        self.sketch_dim = sketch_dim
+        self.every = every
+        self.seed = seed
+        self.exact_chunk_numel = exact_chunk_numel
+        self.reduction_every = reduction_every
+        self.overlap = overlap
+        self._group = group
+        self._world = distributed.world_size(group)
+        self._rank = distributed.rank(group)
+        self._step = 0
+        self._closed = False
+        self._inflight: InFlight | None = None
+        #: When this rank's latest gradient piece was ready, and when the previous step's reduction ended.
+        self._arrived: float | None = None
+        self._released: float | None = None
+        # Per-index partial results of the current step. Each key is written by exactly one hook call
+        # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
+        self._sqnorm: dict[int, Any] = {}
+        self._dot: dict[int, Any] = {}
+        self._mean_sqnorm: dict[int, Any] = {}
+        self._sketch: dict[int, Any] = {}
+        # The prime the sketch folds onto divides no tensor dimension of this model (same on every rank).
+        self._sketcher = FoldedSketch(sketch_dim, seed, dims=dims) if direction == "sketch" else None
+
+    # ----------------------------------------------------------------------- what the hook asks
+
+    def _sampling(self) -> bool:
+        return not self._closed and self._step % self.every == 0
+
+    def _checking_reduction(self, step: int | None = None) -> bool:
+        step = self._step if step is None else step
+        return not self._closed and self.reduction_every > 0 and step % self.reduction_every == 0
+
+    # ----------------------------------------------------------------------- step side
+
+    def end_step(self, loss: Any, tokens: Any = None, extras: Mapping[str, Any] | None = None) -> StepMetrics | None:
+        """Start gathering this step's measurements from every rank; return the previous sampled step's metrics.
+
+        A collective: every rank calls it once per optimizer step, after the synchronising
+        backward and before ``optimizer.step()``. With ``overlap`` (the default) the gather runs
+        while the next step computes, so this returns the metrics of the previous sampled step
+        (``StepMetrics.step`` says which), None at the first; :meth:`flush` returns the last one.
+        Without ``overlap`` it returns this step's metrics.
+
+        Args:
+            loss: This rank's loss (0-d tensor or float), e.g. the response-token-weighted mean; None when
+                it is not known (the loss metrics are then not measured; the gradient metrics still are).
+            tokens: This rank's token count for the step (int or 0-d tensor), or None; the
+                noise scale is in tokens when every rank gives one, else in batches.
+            extras: Per-rank scalars to gather in the same collective (same keys on every rank).
+
+        Raises:
+            RuntimeError: The monitor is closed, or no gradient went through the hook this step.
+        """
+        if self._closed:
+            raise RuntimeError("WorkerConsistencyMonitor.end_step called after close()")
+        released, previous_release = time.perf_counter(), self._released
+        self._released = released
+        step = self._step
+        self._step += 1
+        if step % self.every != 0:
+            self._clear_partials()
+            return None
+        if not self._sqnorm:
+            raise RuntimeError(
+                "WorkerConsistencyMonitor.end_step: no gradient went through the hook this step; call it after "
+                "the synchronising backward (outside no_sync) and before the next forward"
+            )
+        extras = dict(extras or {})
+        if previous_release is not None and self._arrived is not None:
+            # From the end of the previous reduction (a moment every rank shares) to this rank's last
+            # gradient piece: the rank's own work, without the waiting at the collectives.
+            extras.setdefault("busy_ms", (self._arrived - previous_release) * 1000)
+        try:
+            inflight = self._launch(step, loss, tokens, extras)
+        finally:
+            self._clear_partials()
+        if not self.overlap:
+            return step_gather.complete(inflight)
+        previous, self._inflight = self._inflight, inflight
+        return step_gather.complete(previous) if previous is not None else None
+
+    def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
+        """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
+
+        Every rank calls it once after the last ``end_step`` (it only waits: no new collective). On a
+        failure path pass ``timeout_s``: a gather that has not finished by then (a peer died before
+        contributing) is dropped and None returned, instead of waiting for the process group's timeout.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        if timeout_s is not None and not step_gather.finished_within(inflight, timeout_s):
+            return None
+        return step_gather.complete(inflight)
+
+    def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
+        """This rank's pieces of the step, gathered (asynchronously with ``overlap``)."""
+        indices = sorted(self._sqnorm)
+        checking = self._checking_reduction(step)
+        if self.direction == "exact":
+            return self._exact_pieces(step, loss, tokens, extras, indices, checking)
+        if checking:
+            extras.update(self._reduction_extras(indices))
+        return step_gather.launch(
+            step=step,
+            direction=self.direction,
+            group=self._group,
+            world=self._world,
+            loss=loss,
+            tokens=tokens,
+            sqnorm=sum_partials(self._sqnorm, indices),
+            dot=self._dot_total(indices),
+            mean_sqnorm=sum_partials(self._mean_sqnorm, indices),
+            extras=extras,
+            sketch=sum_sketches(self._sketch, indices),
+            buckets=len(indices),
+            overlap=self.overlap,
+            from_gram=self._sketch_gram_use(),
+        )
+
+    def _dot_total(self, indices: list[int]) -> Any:
+        return sum_partials(self._dot, indices)
+
+    def _sketch_gram_use(self) -> str:
+        """What sketch mode reads off the sketches' Gram besides the pairwise cosines ("" = nothing)."""
+        return ""
+
+    def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
+        raise NotImplementedError
+
+    def _reduction_extras(self, indices: list[int]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _clear_partials(self) -> None:
+        for partials in (self._sqnorm, self._dot, self._mean_sqnorm, self._sketch):
+            partials.clear()
+
+    def close(self) -> None:
+        """Stop measuring; the gradients are then reduced exactly as without the monitor.
+
+        A step still in flight is dropped: call :meth:`flush` first to keep its metrics. Its collective
+        is waited for (at most ``CLOSE_WAIT_S``: on a failure path a peer may never contribute).
+        """
+        if self._inflight is not None:
+            # Let a healthy collective finish writing; the work object keeps its buffers alive otherwise.
+            step_gather.finished_within(self._inflight, CLOSE_WAIT_S)
+        self._inflight = None
+        self._closed = True
+        self._clear_partials()
+        if self._sketcher is not None:
+            self._sketcher.clear()
+
+    def __enter__(self) -> ConsistencyMonitor:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def sum_partials(partials: dict[int, Any], indices: list[int]) -> Any:
+    """The per-index 0-d partials summed in float64 (they are fp32; no reason to lose more)."""
+    import torch
+
+    missing = [i for i in indices if i not in partials]
+    if missing:
+        raise RuntimeError(f"WorkerConsistencyMonitor: buckets {missing} produced no result this step")
+    return torch.stack([partials[i] for i in indices]).to(torch.float64).sum()
+
+
+def sum_sketches(sketches: dict[int, Any], indices: list[int]) -> Any:
+    """The model's sketch: the pieces' sketches add up (the sketch is linear)."""
+    total = sketches[indices[0]].clone()
+    for index in indices[1:]:
+        total += sketches[index]
+    return total

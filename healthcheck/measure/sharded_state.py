@@ -1,0 +1,84 @@
+"""Evidence for the ``sharded_state`` audit: what FSDP2 ranks must agree on when no parameter is replicated.
+
+Under FSDP2 each parameter shard has one owner, so "every rank holds the same parameters" (DDP's
+parameter-equality audit) does not exist. What must still hold on every rank:
+
+* the same sharding plan: parameter names, global shapes, dtypes and placements;
+* the same full parameters when they are all-gathered, after sharding and after the last step (a cheap
+  on-device bit hash per tensor, of ``full_tensor()``: one all-gather of the model at each end);
+* the same optimizer: learning rate and the other hyperparameters of every parameter group, and the step
+  count, on every check step. A rank that steps its shards with another learning rate corrupts the one
+  model everyone trains, and nothing else in the run would notice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+from healthcheck.artifacts import ShardedEvidence
+from healthcheck.measure import distributed as hdist
+from healthcheck.measure.bit_hash import tensor_bit_hash
+
+#: Optimizer hyperparameters compared across ranks (whichever a parameter group has).
+OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize")
+
+
+def sharding_plan(model: Any) -> list[str]:
+    """One line per parameter: name, global shape, dtype and placements (same on every rank when healthy)."""
+    rows = []
+    for name, param in model.named_parameters():
+        placements = getattr(param, "placements", None)
+        rows.append(f"{name} {tuple(param.shape)} {param.dtype} {placements if placements is not None else 'replicated'}")
+    return rows
+
+
+def full_parameter_hashes(model: Any) -> list[int]:
+    """Collective: the bit hash of every full (all-gathered) parameter, in ``named_parameters`` order."""
+    import torch
+
+    hashes = []
+    for _, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        hashes.append(tensor_bit_hash(full.detach()))
+    if not hashes:
+        return []
+    return [int(h) for h in torch.stack(hashes).cpu().tolist()]
+
+
+def optimizer_facts(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's hyperparameters per parameter group and its step count (plain JSON values)."""
+    groups = []
+    for group in optimizer.param_groups:
+        facts: dict[str, Any] = {}
+        for field in OPTIMIZER_FIELDS:
+            if field in group:
+                value = group[field]
+                facts[field] = list(value) if isinstance(value, tuple) else (float(value) if isinstance(value, float) else value)
+        groups.append(facts)
+    steps = {int(float(state["step"])) for state in optimizer.state.values() if "step" in state}
+    return {"param_groups": groups, "step": max(steps) if steps else 0, "tensors_with_state": len(optimizer.state)}
+
+
+class ShardedStateRecorder:
+    """Collects one rank's sharded-state evidence; every method is a collective (all ranks call it alike)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.optimizer: Optional[Any] = None
+        plan = sharding_plan(model)
+        digest = hashlib.sha256("\n".join(plan).encode()).hexdigest()[:16]
+        everyone = hdist.all_gather_objects({"plan": digest, "tensors": len(plan), "hashes": full_parameter_hashes(model)})
+        self.evidence = ShardedEvidence(
+            plans=[e["plan"] for e in everyone], plan_tensors=everyone[0]["tensors"], start_hashes=[e["hashes"] for e in everyone]
+        )
+
+    def check_optimizer(self, step: int) -> None:
+        if self.optimizer is None:
+            return
+        facts = hdist.all_gather_objects(optimizer_facts(self.optimizer))
+        self.evidence.optimizer_checks.append((step, facts))
+
+    def finish(self) -> ShardedEvidence:
+        self.evidence.end_hashes = [list(h) for h in hdist.all_gather_objects(full_parameter_hashes(self.model))]
+        return self.evidence

@@ -1,0 +1,203 @@
+"""The FSDP2 monitor on 4 real gloo ranks, against a brute-force float64 reference.
+
+The model is sharded with ``fully_shard`` per block and at the root, with parameters whose first
+dimension does not divide by 4 (13 rows, a 3-element gate: rank 3 owns none of it), so shards are
+padded. Per-parameter hooks never see a rank's local gradient under FSDP2, so the reference is a plain
+float64 replica loaded with the FSDP parameters (``full_tensor()``) every step and run on the same
+micro-batches: its gradient is each rank's true local gradient. Cases: plain steps; gradient
+accumulation 3 with ``set_requires_gradient_sync(False)`` and with FSDP2's default reduce-scatter per
+micro-batch; exact and sketch; the reduction check; and training unchanged against an unmonitored twin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from healthcheck.measure import distributed
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.run import launcher
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+VOCAB, WIDTH, HIDDEN = 37, 16, 13
+SKETCH_DIM = 4096
+SKETCH_TOL = 4 * math.sqrt(2 / 4093)  # four standard deviations of the stated bound, p = 4093
+EXACT_TOL = 1e-5
+STEPS = 3
+# (direction, micro-batches, how they accumulate, overlap); "sync": set_requires_gradient_sync(False) on all
+# but the last; "every": FSDP2's default, a reduce-scatter per micro-batch.
+CASES = [
+    ("exact", 1, "sync", False),
+    ("exact", 3, "sync", True),
+    ("exact", 3, "every", False),
+    ("sketch", 1, "sync", True),
+    ("sketch", 3, "sync", False),
+    ("sketch", 3, "every", False),
+]
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, WIDTH)
+        self.gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x))) * self.gate.mean()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _loss(model, ids, targets):
+    return torch.nn.functional.cross_entropy(model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _batch(step, rank, micro):
+    generator = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    # Rank-dependent token ranges: the ranks' gradients genuinely differ.
+    ids = torch.randint(0, VOCAB - 3 * rank, (4, 6), generator=generator)
+    return ids, torch.roll(ids, 1, dims=1)
+
+
+def _sharded():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _reference_gradients(model, step, accum):
+    """Each rank's true accumulated local gradient (float64, named_parameters order), gathered: [W, P]."""
+    full = {name: param.full_tensor().detach().to(torch.float64) for name, param in model.named_parameters()}
+    reference = Net().to(torch.float64)
+    reference.load_state_dict(full)
+    params = list(reference.parameters())
+    local = [torch.zeros_like(p) for p in params]
+    for micro in range(accum):
+        ids, targets = _batch(step, distributed.rank(), micro)
+        logits = reference(ids).reshape(-1, VOCAB)
+        loss = torch.nn.functional.cross_entropy(logits, targets.reshape(-1))
+        local = [a + g for a, g in zip(local, torch.autograd.grad(loss, params), strict=True)]
+    return distributed.all_gather_rows(torch.cat([g.reshape(-1) for g in local]))
+
+
+def _errors(m, grads):
+    """Largest deviations of the monitor's metrics from the float64 reference."""
+    norms = grads.norm(dim=1)
+    mean = grads.mean(dim=0)
+    cos = (grads @ grads.T) / (norms[:, None] * norms[None, :])
+    to_mean = (grads @ mean) / (norms * mean.norm())
+    rel = lambda a, b: abs(a - b) / abs(b)  # noqa: E731
+    return {
+        "norm": max(rel(a, b) for a, b in zip(m.per_rank_grad_norm, norms.tolist(), strict=True)),
+        "mean_norm": rel(m.mean_grad_norm, float(mean.norm())),
+        "pairwise": float((torch.tensor(m.pairwise_cosine, dtype=torch.float64) - cos).abs().max()),
+        "to_mean": max(abs(a - b) for a, b in zip(m.cosine_to_mean, to_mean.tolist(), strict=True)),
+    }
+
+
+def _run_case(direction, accum, mode, overlap):
+    from torch.distributed.tensor import DTensor
+
+    model, twin = _sharded(), _sharded()
+    monitor = WorkerConsistencyMonitor(model, direction=direction, sketch_dim=SKETCH_DIM, seed=3, overlap=overlap,
+                                       reduction_every=1, exact_chunk_numel=64,
+                                       **({"reduce_scatter_every_microbatch": True} if mode == "every" else {}))
+    references, measured, errors = {}, [], []
+    for step in range(STEPS):
+        references[step] = _reference_gradients(model, step, accum)
+        for net in (model, twin):
+            for micro in range(accum):
+                if mode == "sync":
+                    net.set_requires_gradient_sync(micro == accum - 1)
+                ids, targets = _batch(step, distributed.rank(), micro)
+                _loss(net, ids, targets).backward()
+        m = monitor.end_step(1.0 + distributed.rank(), tokens=24 * accum)
+        for metrics in ([m] if m is not None else []):
+            measured.append(metrics)
+        for net in (model, twin):
+            with torch.no_grad():
+                for param in net.parameters():
+                    param -= 0.1 * param.grad
+            net.zero_grad(set_to_none=True)
+    last = monitor.flush()
+    if last is not None:
+        measured.append(last)
+    for metrics in measured:
+        errors.append(_errors(metrics, references[metrics.step]))
+        ratio = metrics.per_rank_extras["reduction_bound_ratio"]
+        assert all(0 <= r <= 1 for r in ratio), ratio
+    monitor.close()
+    # Passthrough: the reduce-scatter FSDP applies is its own, bit for bit.
+    unchanged = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+                    if isinstance(a, DTensor))
+    return {"steps": [m.step for m in measured], "errors": errors, "unchanged": unchanged,
+            "groups": measured[0].buckets}
+
+
+def _worker():
+    distributed.init_distributed("cpu", "gloo", 120)
+    try:
+        results = {f"{d}-{a}-{m}": _run_case(d, a, m, o) for d, a, m, o in CASES}
+        # Exact mode without the flag refuses a second reduce-scatter in one step, naming the fix.
+        model = _sharded()
+        monitor = WorkerConsistencyMonitor(model, direction="exact")
+        assert monitor.direction == "exact"
+        try:
+            for micro in range(2):
+                ids, targets = _batch(0, distributed.rank(), micro)
+                _loss(model, ids, targets).backward()
+            results["refused"] = ""
+        except RuntimeError as exc:
+            results["refused"] = str(exc)
+        return results if distributed.rank() == 0 else None
+    finally:
+        distributed.destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    return launcher.launch_local(_worker, WORLD, run_id="fsdp-monitor")[0]
+
+
+@pytest.mark.parametrize("case", [f"{d}-{a}-{m}" for d, a, m, _ in CASES])
+def test_metrics_match_the_float64_reference(outcome, case):
+    result = outcome[case]
+    assert result["steps"] == list(range(STEPS)) and result["groups"] == 3
+    assert result["unchanged"], "the monitor changed what FSDP2 trains"
+    direction, _, mode = case.split("-")
+    worst = {key: max(e[key] for e in result["errors"]) for key in result["errors"][0]}
+    if direction == "exact":
+        assert max(worst.values()) <= EXACT_TOL, worst
+    elif mode == "sync":  # one reduce-scatter per step: exact norms, sketched cosines
+        assert worst["norm"] <= EXACT_TOL and worst["mean_norm"] <= EXACT_TOL, worst
+        assert worst["pairwise"] <= SKETCH_TOL and worst["to_mean"] <= SKETCH_TOL, worst
+    else:  # a reduce-scatter per micro-batch: everything from the accumulated sketches
+        assert max(worst.values()) <= SKETCH_TOL, worst
+
+
+def test_exact_mode_refuses_per_microbatch_reduce_scatters_without_the_flag(outcome):
+    assert "reduce_scatter_every_microbatch=True" in outcome["refused"]
