@@ -64,7 +64,12 @@ def run_sweep(args) -> list[dict]:
     outcomes = []
     started = time.time()
     first = scenarios.FIRST_SEED if args.first_seed is None else args.first_seed
-    for scenario in scenarios.resolve(args.scenarios):
+    from healthcheck.config import load_config
+
+    applicable, skipped = scenarios.for_strategy(scenarios.resolve(args.scenarios), load_config(None, base_sets).distributed.strategy)
+    for line in skipped:
+        print(line, flush=True)
+    for scenario in applicable:
         for seed in range(first, first + args.seeds):
             outcome = scenarios.run_scenario(scenario, seed, baseline, baseline_path=baseline_path,
                                              runs_root=args.runs_root, base_sets=base_sets)

@@ -159,8 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     run = scenario_commands.add_parser("run", help="run named faults against the default probe and its baseline")
     run.add_argument("names", nargs="+", metavar="NAME")
     run.add_argument("--seeds", type=int, default=1, metavar="R", help="seeds per scenario (default 1)")
-    run.add_argument("--baseline", type=Path, help="default: baselines/default.json")
+    run.add_argument("--baseline", type=Path, help="default: the base probe's (baselines/default.json, or default-fsdp.json)")
     run.add_argument("--runs-root", type=Path, default=Path("runs"), help="where the run directories go")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the base probe every fault is injected into (e.g. distributed.strategy=fsdp); repeatable",
+    )
     return parser
 
 
@@ -271,7 +279,7 @@ def cmd_scenarios(args) -> int:
     if args.scenarios_command == "list":
         scenarios.print_catalogue()
         return int(ExitCode.PASS)
-    return scenarios.run_named(args.names, seeds=args.seeds, baseline=args.baseline, runs_root=args.runs_root)
+    return scenarios.run_named(args.names, seeds=args.seeds, baseline=args.baseline, runs_root=args.runs_root, base_sets=args.overrides)
 
 
 COMMANDS = {

@@ -24,11 +24,29 @@ from healthcheck.errors import ExitCode, InvalidInput
 FAULTY_RANK = 3
 #: First train.seed of scenario runs (baselines are recorded from seed 42 upwards).
 FIRST_SEED = 1000
-DEFAULT_BASELINE = Path("baselines/default.json")
 
 
-def _on_faulty_rank(section: str, body: str) -> str:
-    return f"rank_overrides={{{FAULTY_RANK}: {{{section}: {{{body}}}}}}}"
+#: In a scenario's sets and ``expected_ranks``: the rank :func:`seeded_rank` picks from the run's seed.
+SEEDED_RANK = "{rank}"
+
+
+def _on_faulty_rank(section: str, body: str, rank: str | int = FAULTY_RANK) -> str:
+    return f"rank_overrides={{{rank}: {{{section}: {{{body}}}}}}}"
+
+
+def seeded_rank(seed: int, world_size: int) -> int:
+    """The faulted rank of a seeded scenario: any rank but 0, spread over the seeds (a hash, not ``seed % n``).
+
+    Newer scenarios fault a different rank on every seed, so a detection row shows that the guard can
+    name any rank, not only the fixed rank 3 of the original catalogue. Rank 0 is left out so that
+    naming it can never be a rank-0 accident.
+
+    >>> sorted({seeded_rank(seed, 8) for seed in range(1000, 1020)})
+    [1, 2, 3, 4, 5, 6, 7]
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 31)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    return 1 + (z ^ (z >> 29)) % (world_size - 1) if world_size > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +58,11 @@ class Scenario:
         description: What goes wrong, in one line.
         sets: ``--set`` expressions applied on top of the default probe.
         expected_checks: Finding ids (fnmatch patterns, e.g. ``envelope.*``) any of which catches it.
-        expected_ranks: ``"3"``, ``"0"``, ``"all"`` (every rank is named), or ``""`` (nothing may fire).
+        expected_ranks: ``"3"``, ``"0"``, ``"all"`` (every rank is named), ``"{rank}"`` (the seeded rank,
+            see :func:`seeded_rank`; ``sets`` then say ``{rank}`` where the rank goes), or ``""`` (nothing may fire).
+        fsdp_checks: The expected checks under ``distributed.strategy=fsdp`` when sharding changes which
+            audit sees the fault (None: the same as ``expected_checks``).
+        fsdp_not_applicable: Why the fault cannot exist under FSDP2 ("" when it can).
     """
 
     name: str
@@ -48,15 +70,29 @@ class Scenario:
     sets: tuple[str, ...]
     expected_checks: tuple[str, ...]
     expected_ranks: str
+    fsdp_checks: Optional[tuple[str, ...]] = None
+    fsdp_not_applicable: str = ""
 
-    def expected_rank_set(self, world_size: int) -> set[int]:
+    def under(self, strategy: str) -> Scenario:
+        """This scenario as judged under ``strategy`` (its FSDP2 expectations when ``fsdp``)."""
+        if strategy != "fsdp" or self.fsdp_checks is None:
+            return self
+        return dataclasses.replace(self, expected_checks=self.fsdp_checks)
+
+    def expected_rank_set(self, world_size: int, seed: int = FIRST_SEED) -> set[int]:
         if self.expected_ranks == "all":
             return set(range(world_size))
+        if self.expected_ranks == SEEDED_RANK:
+            return {seeded_rank(seed, world_size)}
         return {int(r) for r in self.expected_ranks.split(",") if r}
 
     def config(self, seed: int, base_sets: Sequence[str] = ()) -> ProbeConfig:
         """The default probe with ``base_sets``, this scenario's overrides and ``train.seed``."""
-        return load_config(None, [*base_sets, *self.sets, f"train.seed={seed}"])
+        sets = list(self.sets)
+        if any(SEEDED_RANK in s for s in sets):
+            rank = seeded_rank(seed, load_config(None, list(base_sets)).distributed.nproc)
+            sets = [s.replace(SEEDED_RANK, str(rank)) for s in sets]
+        return load_config(None, [*base_sets, *sets, f"train.seed={seed}"])
 
 
 CLEAN = Scenario("clean", "no fault: nothing may fire (the false-alarm row)", (), (), "")
@@ -104,6 +140,10 @@ CATALOGUE: tuple[Scenario, ...] = (
         (_on_faulty_rank("train", "lr: 0.01"),),
         ("audit.param_equality",),
         str(FAULTY_RANK),
+        # Under FSDP2 no rank holds a replica that could drift: each updates only its own shard, and the
+        # gathered full parameters are the same on every rank. What is left of the fault is a rank whose
+        # optimizer disagrees, which the sharded-state audit compares at every check step.
+        fsdp_checks=("audit.sharded_state",),
     ),
     Scenario(
         "label-mask-bug",
@@ -118,6 +158,10 @@ CATALOGUE: tuple[Scenario, ...] = (
         (_on_faulty_rank("faults", "grad_noise_std: 2.0"),),
         ("envelope.*", "audit.rank_outliers"),
         str(FAULTY_RANK),
+        fsdp_not_applicable=(
+            "the fault is injected by per-parameter gradient hooks, and under FSDP2 those do not see a rank's "
+            "local gradient (it is reduce-scattered from FSDP's own flat buffers)"
+        ),
     ),
     Scenario(
         "straggler",
@@ -191,7 +235,7 @@ def assess(
         detected = right = status == "complete" and not fired
     else:
         detected = status == "complete" and bool(expected)
-        right = detected and scenario.expected_rank_set(world_size) <= set(named)
+        right = detected and scenario.expected_rank_set(world_size, seed) <= set(named)
     return Outcome(scenario.name, seed, exit_code, status, fired, named, detected, right, run_dir)
 
 
@@ -228,6 +272,24 @@ def resolve(names: Sequence[str]) -> list[Scenario]:
     return out
 
 
+def for_strategy(chosen: Sequence[Scenario], strategy: str) -> tuple[list[Scenario], list[str]]:
+    """The scenarios that can exist under ``strategy``, with its expectations, and one line per skipped one.
+
+    >>> applicable, skipped = for_strategy([SCENARIOS["lr-x10"], SCENARIOS["grad-noise"]], "fsdp")
+    >>> [(s.name, s.expected_checks) for s in applicable]
+    [('lr-x10', ('audit.sharded_state',))]
+    >>> skipped[0].split(":")[0]
+    'grad-noise         not applicable under fsdp'
+    """
+    applicable, skipped = [], []
+    for scenario in chosen:
+        if strategy == "fsdp" and scenario.fsdp_not_applicable:
+            skipped.append(f"{scenario.name:<18} not applicable under fsdp: {scenario.fsdp_not_applicable}")
+        else:
+            applicable.append(scenario.under(strategy))
+    return applicable, skipped
+
+
 def run_named(
     names: Sequence[str],
     *,
@@ -249,10 +311,17 @@ def run_named(
     if seeds < 1:
         raise InvalidInput(f"--seeds: expected at least 1, got {seeds}")
     chosen = resolve(names)
-    path = Path(baseline) if baseline is not None else DEFAULT_BASELINE
+    # The base sets pick the probe the faults are injected into, and with it the default baseline
+    # (baselines/default-fsdp.json under distributed.strategy=fsdp).
+    base = load_config(None, list(base_sets))
+    strategy = base.distributed.strategy
+    path = Path(baseline) if baseline is not None else base.baseline_path()
     loaded = load_baseline(path)
     outcomes = []
-    for scenario in chosen:
+    applicable, skipped = for_strategy(chosen, strategy)
+    for line in skipped:
+        emit(line)
+    for scenario in applicable:
         for seed in range(first_seed, first_seed + seeds):
             outcome = run_scenario(scenario, seed, loaded, baseline_path=str(path), runs_root=runs_root, base_sets=base_sets)
             emit(outcome.line())
@@ -272,6 +341,11 @@ def catalogue_text() -> str:
         rows.append((s.name, " or ".join(s.expected_checks), s.expected_ranks, "  ".join(s.sets), s.description))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4] for row in rows]
+    fsdp = [f"  {s.name}: expects {' or '.join(s.fsdp_checks)}" for s in CATALOGUE if s.fsdp_checks] + [
+        f"  {s.name}: not applicable ({s.fsdp_not_applicable})" for s in CATALOGUE if s.fsdp_not_applicable
+    ]
+    if fsdp:
+        lines.append("\nUnder --set distributed.strategy=fsdp:\n" + "\n".join(fsdp))
     lines.append(
         f"\nRun: healthcheck scenarios run NAME... [--seeds R]   (seeds {FIRST_SEED}, {FIRST_SEED + 1}, ...; "
         f"'clean' runs the unfaulted probe; 'all' runs the catalogue)"
