@@ -60,10 +60,15 @@ class LossCapture:
 
     # ------------------------------------------------------------------ wiring
 
-    def watch(self, module: Any) -> None:
-        """Open a micro-batch at every training forward of ``module`` and read its output."""
-        self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True))
+    def watch(self, module: Any) -> list[Any]:
+        """Open a micro-batch at every training forward of ``module`` and read its output; returns the
+        hook handles (removed by :meth:`close`, or earlier by the caller)."""
+        handles = [
+            module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            module.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+        ]
+        self._handles.extend(handles)
+        return handles
 
     def __enter__(self) -> LossCapture:
         _ACTIVE.append(self)

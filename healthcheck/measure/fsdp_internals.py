@@ -50,6 +50,17 @@ def param_groups(root: Any) -> Iterator[tuple[Any, Any, Any]]:
             yield module, state, group
 
 
+def root_facts(root: Any) -> dict[str, str]:
+    """The sharding settings every rank must share, for the environment audit: each distinct mixed
+    precision policy, offload policy and reshard-after-forward choice over the model's parameter groups."""
+    facts: dict[str, set[str]] = {"fsdp.mp_policy": set(), "fsdp.offload_policy": set(), "fsdp.reshard_after_forward": set()}
+    for _, _, group in param_groups(root):
+        facts["fsdp.mp_policy"].add(str(group.mp_policy))
+        facts["fsdp.offload_policy"].add(type(group.offload_policy).__name__)
+        facts["fsdp.reshard_after_forward"].add(str(group.post_forward_mesh_info is not None))
+    return {name: " | ".join(sorted(values)) or "?" for name, values in facts.items()}
+
+
 def reduce_scatter_group(param_group: Any) -> Any:
     """The process group a parameter group reduce-scatters over."""
     return param_group._reduce_scatter_process_group

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from healthcheck.errors import InvalidInput
 from healthcheck.measure import distributed, fsdp_internals, step_gather
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
@@ -117,10 +118,11 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         index, world = comm.index, self._world
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         if calls > 1 and self.direction == "exact" and not self.every_microbatch:
-            raise RuntimeError(
-                "WorkerConsistencyMonitor: FSDP2 reduce-scattered a parameter group twice in one optimizer step "
-                "(gradient accumulation without set_requires_gradient_sync(False)); exact mode then needs "
-                "reduce_scatter_every_microbatch=True, or use direction='sketch'"
+            # Invalid input, not a crash: the training loop and the mode do not fit, and either can change.
+            raise InvalidInput(
+                "exact mode (metrics.direction=exact) and an FSDP2 model that reduce-scatters every micro-batch of "
+                "gradient accumulation: call set_requires_gradient_sync(False) on all but the last micro-batch, use "
+                "metrics.direction=sketch, or (monitor API) reduce_scatter_every_microbatch=True"
             )
         pre, sum_scale = fsdp_internals.true_gradient_scale(comm.param_group, group, local, op)
         checking = self._checking_reduction()

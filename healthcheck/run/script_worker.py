@@ -129,7 +129,7 @@ class _ScriptRun:
             self._close()
             hdist.destroy_distributed()
         if not session.complete:
-            raise ScriptEnded(_ended_early(session.steps_done, self.config.train.steps, ended, session.ddp is not None))
+            raise ScriptEnded(_ended_early(session.steps_done, self.config.train.steps, ended, session.model is not None))
         return session.report
 
     # ------------------------------------------------------------------ hooks

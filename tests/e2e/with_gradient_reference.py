@@ -39,7 +39,7 @@ def install(dump: Path) -> None:
             parameter.register_hook(keep)
 
     def pre_step(self: Any, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.ddp is not None and self._owns(optimizer) and self._depth == 0 and not self.complete:
+        if self.model is not None and self._owns(optimizer) and self._depth == 0 and not self.complete:
             pieces = [r if r is not None else torch.zeros(n, dtype=torch.float64)
                       for r, n in zip(self.reference, self.reference_sizes, strict=True)]
             rank = int(os.environ["RANK"])

@@ -6,7 +6,7 @@
   trained on: enough for overlap, order and coverage, which the audits judge on prefixes.
 * :func:`first_forward_facts`: RNG state hashes, the torch seed and the precision at the first training
   forward, before any randomness of training was drawn.
-* :func:`optimizer_facts` / :func:`ddp_facts`: settings every rank must share, for the environment audit.
+* :func:`optimizer_facts` / :func:`wrapper_facts`: settings every rank must share, for the environment audit.
 """
 
 from __future__ import annotations
@@ -133,11 +133,15 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     return facts
 
 
-def ddp_facts(ddp: Any) -> dict[str, str]:
-    """DDP settings that change how gradients are reduced."""
+def wrapper_facts(model: Any) -> dict[str, str]:
+    """Settings of the data-parallel wrapper that change how gradients are reduced (DDP or FSDP2)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        from healthcheck.measure.fsdp_internals import root_facts
+
+        return root_facts(model)
     return {
-        "ddp.bucket_bytes_cap": str(getattr(ddp, "bucket_bytes_cap", "?")),
-        "ddp.find_unused_parameters": str(getattr(ddp, "find_unused_parameters", "?")),
-        "ddp.gradient_as_bucket_view": str(getattr(ddp, "gradient_as_bucket_view", "?")),
-        "ddp.static_graph": str(getattr(ddp, "static_graph", "?")),
+        "ddp.bucket_bytes_cap": str(getattr(model, "bucket_bytes_cap", "?")),
+        "ddp.find_unused_parameters": str(getattr(model, "find_unused_parameters", "?")),
+        "ddp.gradient_as_bucket_view": str(getattr(model, "gradient_as_bucket_view", "?")),
+        "ddp.static_graph": str(getattr(model, "static_graph", "?")),
     }

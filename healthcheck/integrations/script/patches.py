@@ -7,6 +7,8 @@ original on exit, in reverse order, whatever happened in between.
   ``accelerate`` and ``transformers.Trainer``) is handed to the session right after it is built.
 * ``DistributedDataParallel.register_comm_hook`` / ``_register_builtin_comm_hook``: the monitor needs
   the one comm-hook slot DDP has, so a script that takes it gets a clear error, not DDP's RuntimeError.
+* ``torch.distributed.fsdp.fully_shard``: every module the script shards with FSDP2 is handed to the
+  session, which takes the outermost one (the root, sharded last) as the trained model.
 * ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
 * ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
   probed (healthcheck already is the launcher), so it gets a clear error.
@@ -44,7 +46,7 @@ class Patches:
 
 
 def install(session: Any) -> Patches:
-    """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_process_group()``,
+    """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.on_fetch(iterator, indices)`` and ``session.owns_comm_hook(ddp)``."""
     import torch.distributed as dist
     import torch.multiprocessing as torch_mp
@@ -70,6 +72,16 @@ def install(session: Any) -> Patches:
             return original(self, *args, **kwargs)
 
         return register
+
+    def fully_shard(original: Any) -> Any:
+        def shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(module, *args, **kwargs)
+            # fully_shard also takes a list of modules that share one parameter group.
+            for sharded in module if isinstance(module, (list, tuple)) else [module]:
+                session.on_fully_shard(sharded)
+            return out
+
+        return shard
 
     def init_process_group(original: Any) -> Any:
         def init(*args: Any, **kwargs: Any) -> Any:
@@ -99,6 +111,16 @@ def install(session: Any) -> Patches:
     patches.wrap(DistributedDataParallel, "__init__", ddp_init)
     patches.wrap(DistributedDataParallel, "register_comm_hook", comm_hook)
     patches.wrap(DistributedDataParallel, "_register_builtin_comm_hook", comm_hook)
+    # Both public homes of fully_shard: a script imports it from either (torch 2.13 keeps the old one).
+    import torch.distributed.fsdp as fsdp
+
+    patches.wrap(fsdp, "fully_shard", fully_shard)
+    try:
+        import torch.distributed._composable.fsdp as composable_fsdp
+
+        patches.wrap(composable_fsdp, "fully_shard", fully_shard)
+    except ImportError:
+        pass
     patches.wrap(dist, "init_process_group", init_process_group)
     patches.wrap(torch_mp, "spawn", no_spawn)
     patches.wrap(torch_mp, "start_processes", no_spawn)

@@ -4,7 +4,10 @@ On every worker, before the script runs, :class:`ScriptSession` installs its pat
 (:mod:`.patches`) and two global optimizer hooks. Then, with nothing imported from healthcheck:
 
 * every ``DistributedDataParallel`` the script builds gets the :class:`WorkerConsistencyMonitor`, the
-  loss capture (:mod:`healthcheck.integrations.loss_capture`) and the audits' recorder;
+  loss capture (:mod:`healthcheck.integrations.loss_capture`) and the audits' recorder. A model sharded
+  with FSDP2 (``fully_shard`` on blocks, then on the root) gets the same: the outermost sharded module
+  is the root, the loss capture watches it from when it is sharded, and the monitor takes its
+  reduce-scatters at its first training forward (when every ``fully_shard`` call has been made);
 * an optimizer step that updates the monitored model's parameters is a probe step. Before it runs
   (after the synchronising backward) the monitor gathers the step's metrics; after it, parameter
   hashes are compared on check steps;
@@ -61,8 +64,11 @@ class ScriptSession:
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
         self.loaders = observe.LoaderRecorder()
-        self.ddp: Any = None
+        self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
+        self._fsdp_root: Any = None  #: the outermost module sharded so far (the root, once training starts)
+        self._fsdp_handles: list[Any] = []
+        self._sharded: list[Any] = []  #: every module passed to fully_shard
         self.audit: Optional[AuditRecorder] = None
         self.steps_done = 0
         self.complete = False
@@ -115,34 +121,78 @@ class ScriptSession:
     # ------------------------------------------------------------------ callbacks from the patches
 
     def on_ddp(self, ddp: Any) -> None:
-        if self.ddp is not None:
-            raise InvalidInput("the script builds a second DistributedDataParallel model; a probe measures one trained model")
-        from healthcheck.measure.monitor import WorkerConsistencyMonitor
-
-        metrics = self.config.metrics
+        if self.model is not None or self._fsdp_root is not None:
+            raise InvalidInput("the script builds a second data-parallel model; a probe measures one trained model")
         self._registering = True
         try:
-            # The sketch map must be identical on every rank: it is seeded from the probe's config.
-            self.monitor = WorkerConsistencyMonitor(
-                ddp,
-                direction=metrics.direction,
-                sketch_dim=metrics.sketch_dim,
-                every=metrics.every,
-                seed=self.config.train.seed,
-                reduction_every=metrics.reduction_check_every,
-            )
+            self.monitor = self._new_monitor(ddp)
         finally:
             self._registering = False
-        self.ddp = ddp
+        self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
         self._handles.append(ddp.module.register_forward_pre_hook(self._first_training_forward))
-        self.audit = AuditRecorder(ddp.module, param_check_every=metrics.param_check_every)
+        self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
+
+    def _new_monitor(self, model: Any) -> Any:
+        from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+        metrics = self.config.metrics
+        # The sketch map must be identical on every rank: it is seeded from the probe's config.
+        return WorkerConsistencyMonitor(
+            model,
+            direction=metrics.direction,
+            sketch_dim=metrics.sketch_dim,
+            every=metrics.every,
+            seed=self.config.train.seed,
+            reduction_every=metrics.reduction_check_every,
+        )
+
+    def on_fully_shard(self, module: Any) -> None:
+        """``fully_shard(module)`` ran: the module sharded last, unless it sits inside the current root.
+
+        Scripts shard bottom-up (blocks, then the root), as FSDP2 requires, so the last module sharded is
+        the root; at its first training forward every sharded module must lie inside it. Until then each
+        new candidate takes over the loss capture and the start hook from the previous one.
+        """
+        if self.model is not None:
+            if self._fsdp_root is None:
+                raise InvalidInput("the script shards a module with fully_shard after wrapping a model in DDP; a probe measures one")
+            raise InvalidInput("the script calls fully_shard after training started; a probe measures one sharded model")
+        self._sharded.append(module)
+        if self._fsdp_root is not None and any(m is module for m in self._fsdp_root.modules()):
+            return  # a block sharded after its parent: the root stays
+        for handle in self._fsdp_handles:
+            handle.remove()
+        self._fsdp_root = module
+        self._fsdp_handles = [*self.capture.watch(module), module.register_forward_pre_hook(self._first_sharded_forward)]
+
+    def _first_sharded_forward(self, module: Any, args: Any) -> None:
+        import torch
+
+        if self.model is not None or not torch.is_grad_enabled():
+            return
+        inside = {id(m) for m in module.modules()}
+        if outside := [m for m in self._sharded if id(m) not in inside]:
+            raise InvalidInput(
+                f"the script shards modules outside the model it trains ({type(outside[0]).__name__} is not inside "
+                f"{type(module).__name__}); a probe measures one trained model"
+            )
+        if self.config.faults.grad_noise_std > 0:
+            raise InvalidInput(
+                "faults.grad_noise_std cannot be injected into an FSDP2 model (parameter hooks never see its local gradient)"
+            )
+        # FSDP2's own pre-forward hook (prepended) has run its lazy init: every parameter group exists.
+        self.monitor = self._new_monitor(module)
+        self.model = module
+        self._param_ids = {id(p) for p in module.parameters()}
+        self.audit = AuditRecorder(module, param_check_every=self.config.metrics.param_check_every, sharded=True)
+        self._first_training_forward(module, args)
 
     def owns_comm_hook(self, ddp: Any) -> bool:
         """True when a comm hook registration on ``ddp`` would take the monitor's slot."""
-        return ddp is self.ddp and not self._registering
+        return ddp is self.model and not self._registering
 
     def on_process_group(self) -> None:
         self.hooks.on_process_group()
@@ -164,10 +214,10 @@ class ScriptSession:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.complete:
             raise ProbeComplete()
-        if self.ddp is None:
+        if self.model is None:
             raise InvalidInput(
-                "the script stepped an optimizer before building a DistributedDataParallel model; healthcheck "
-                "attaches to DDP (and FSDP2) models, and a single-process script has no workers to compare"
+                "the script stepped an optimizer before training a DistributedDataParallel or FSDP2 (fully_shard) "
+                "model; healthcheck attaches to those, and a single-process script has no workers to compare"
             )
         if not self._owns(optimizer):
             return
@@ -203,7 +253,7 @@ class ScriptSession:
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.ddp is None or not self._owns(optimizer):
+        if self.model is None or not self._owns(optimizer):
             return
         self._depth -= 1
         if self._depth > 0:
@@ -233,7 +283,7 @@ class ScriptSession:
         assert self.audit is not None
         facts = self.first_forward or {}
         self.audit.extra.update(
-            {"model_dtype": facts.get("model_dtype", "unknown"), **observe.optimizer_facts(optimizer), **observe.ddp_facts(self.ddp)}
+            {"model_dtype": facts.get("model_dtype", "unknown"), **observe.optimizer_facts(optimizer), **observe.wrapper_facts(self.model)}
         )
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]

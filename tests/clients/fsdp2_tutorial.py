@@ -1,0 +1,145 @@
+"""Causal-LM fine-tuning sharded with FSDP2, in the style of PyTorch's FSDP2 example (examples/distributed/FSDP2)
+and torchtitan's data-parallel shard, on CPU/gloo.
+
+torchrun --nproc_per_node 4 fsdp2_tutorial.py --model DIR --data JSON --steps 6 --log loss.jsonl [--accum 2]
+
+Knows nothing about healthcheck. ``fully_shard`` on every decoder layer, then on the root; AdamW on the
+sharded (DTensor) parameters. Gradient accumulation over ``--accum`` micro-batches: like torchtitan, the
+gradient is reduce-scattered only on the last micro-batch (``set_requires_gradient_sync``); with
+``--sync-every-microbatch``, FSDP2's default (a reduce-scatter per micro-batch). ``--wrap ddp`` trains the
+same loop with DistributedDataParallel instead, for comparisons.
+Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
+
+``--bug loss-x2-rank=R``: rank R multiplies its loss by 2.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def alpaca_prompt(row):
+    if row.get("input"):
+        return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
+
+
+class AlpacaDataset(Dataset):
+    def __init__(self, path, tokenizer, max_len, rows):
+        with open(path) as f:
+            data = json.load(f)[:rows]
+        self.items = []
+        for row in data:
+            p = tokenizer(alpaca_prompt(row), add_special_tokens=False)["input_ids"]
+            c = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            self.items.append(((p + c)[:max_len], ([-100] * len(p) + c)[:max_len]))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def collate_with(pad_id):
+    def collate(batch):
+        n = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), n), -100, dtype=torch.long)
+        for i, (ids, lab) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
+        return input_ids, labels
+
+    return collate
+
+
+def shard(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--sync-every-microbatch", action="store_true")
+    ap.add_argument("--wrap", choices=("fsdp", "ddp"), default="fsdp")
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--bug", default="none", help="none or loss-x2-rank=R")
+    args = ap.parse_args()
+
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    if args.wrap == "fsdp":
+        model = shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
+    sampler = DistributedSampler(ds, seed=args.seed)
+    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    bug, _, bug_rank = args.bug.partition("=")
+    loss_scale = 2.0 if bug == "loss-x2-rank" and rank == int(bug_rank) else 1.0
+    if rank == 0 and os.path.exists(args.log):
+        os.remove(args.log)
+
+    step, epoch, micro = 0, 0, []
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for input_ids, labels in loader:
+            micro.append((input_ids, labels))
+            if len(micro) < args.accum:
+                continue
+            stats = torch.zeros(2)
+            for index, (ids, lab) in enumerate(micro):
+                last = index == len(micro) - 1
+                if args.wrap == "fsdp" and not args.sync_every_microbatch:
+                    model.set_requires_gradient_sync(last)
+                # DDP skips its all-reduce only when the forward, too, runs inside no_sync().
+                with model.no_sync() if args.wrap == "ddp" and not last else contextlib.nullcontext():
+                    logits = model(input_ids=ids).logits
+                    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
+                    shift_labels = lab[:, 1:].reshape(-1)
+                    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+                    ntok = (shift_labels != -100).sum()
+                    loss = loss_scale * loss_sum / ntok.clamp(min=1) / len(micro)
+                    loss.backward()
+                stats += torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
+            micro = []
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.all_reduce(stats)
+            step += 1
+            if rank == 0:
+                with open(args.log, "a") as f:
+                    f.write(json.dumps({"step": step, "loss": (stats[0] / stats[1]).item()}) + "\n")
+            if step >= args.steps:
+                break
+        epoch += 1
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
