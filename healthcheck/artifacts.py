@@ -282,6 +282,10 @@ class ShardedEvidence(Record):
 
     plans: list[str] = Field(description="Digest of each rank's sharding plan (names, global shapes, dtypes, placements).")
     plan_tensors: int = Field(0, ge=0, description="Sharded parameter tensors in the plan.")
+    pre_shard_names: list[str] = Field(default_factory=list, description="Parameters hashed before fully_shard, in order.")
+    pre_shard_hashes: list[list[int]] = Field(
+        default_factory=list, description="Bit hashes of each rank's own weights before fully_shard sliced them."
+    )
     start_hashes: list[list[int]] = Field(default_factory=list, description="Full-parameter bit hashes after sharding.")
     end_hashes: list[list[int]] = Field(default_factory=list, description="Full-parameter bit hashes after the last step.")
     optimizer_checks: list[tuple[int, list[dict[str, Any]]]] = Field(

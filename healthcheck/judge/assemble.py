@@ -98,7 +98,14 @@ def parameter_outcomes(
             "replicas to compare; sharded_state checks what every rank must share"
         ),
         "sharded_state": sharded_state_audit(
-            sharded.plans, sharded.plan_tensors, sharded.start_hashes, sharded.end_hashes, sharded.optimizer_checks, names
+            sharded.plans,
+            sharded.plan_tensors,
+            sharded.start_hashes,
+            sharded.end_hashes,
+            sharded.optimizer_checks,
+            names,
+            sharded.pre_shard_hashes,
+            sharded.pre_shard_names,
         ),
     }
 

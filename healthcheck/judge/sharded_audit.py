@@ -3,7 +3,8 @@
 Parameters are sharded (one owner per shard), so there are no replicas to compare; the evidence
 (:mod:`healthcheck.measure.sharded_state`) is each rank's sharding-plan digest, the bit hashes of the
 all-gathered parameters after sharding and after the last step, and the optimizer's settings and step
-count on every check step. The first disagreement found is the one reported::
+count on every check step, and the bit hashes of the weights each rank held before ``fully_shard`` sliced them
+(FSDP2 does not broadcast them, unlike DDP). The first disagreement found is the one reported::
 
     >>> facts = [{"param_groups": [{"lr": 0.001}], "step": 1}] * 3 + [{"param_groups": [{"lr": 0.01}], "step": 1}]
     >>> outcome = sharded_state_audit(["p"] * 4, 7, [[1, 2]] * 4, [[3, 4]] * 4, [(0, facts)], ["a", "b"])
@@ -26,6 +27,8 @@ def sharded_state_audit(
     end_hashes: Sequence[Sequence[int]],
     optimizer_checks: Sequence[tuple[int, Sequence[Any]]],
     names: Sequence[str],
+    pre_shard_hashes: Sequence[Sequence[int]] = (),
+    pre_shard_names: Sequence[str] = (),
 ) -> AuditOutcome:
     """Sharding plan, all-gathered parameters and optimizer: the same on every rank?"""
     world = len(plans)
@@ -41,13 +44,24 @@ def sharded_state_audit(
             tuple(odd),
             details,
         )
+    if pre_shard_hashes:
+        groups = group_ranks([tuple(row) for row in pre_shard_hashes])
+        if len(groups) > 1:
+            odd = odd_ones_out(groups)
+            tensor = _first_differing(pre_shard_hashes, groups[0][0], odd, pre_shard_names)
+            return AuditOutcome(
+                False,
+                f"the weights {ranks_phrase(odd)} built before fully_shard differ from {ranks_phrase(groups[0])}'s (first "
+                f"differing tensor: {tensor}); FSDP2 keeps each rank's own slice, so the model trained is a mix of them",
+                f"weights before sharding {partition_signature(groups)}",
+                tuple(odd),
+                details,
+            )
     for when, table in (("after sharding", start_hashes), ("after the last step", end_hashes)):
         groups = group_ranks([tuple(row) for row in table])
         if len(groups) > 1:
             odd = odd_ones_out(groups)
-            reference = table[groups[0][0]]
-            column = min(t for r in odd for t in range(len(reference)) if table[r][t] != reference[t])
-            tensor = names[column] if column < len(names) else f"#{column}"
+            tensor = _first_differing(table, groups[0][0], odd, names)
             return AuditOutcome(
                 False,
                 f"the all-gathered parameters differ {when} on {ranks_phrase(odd)} (first "
@@ -72,13 +86,21 @@ def sharded_state_audit(
     checks = len(optimizer_checks)
     return AuditOutcome(
         True,
-        f"{ranks_phrase(range(world))} agree on the sharding plan ({plan_tensors} tensors), the "
+        f"{ranks_phrase(range(world))} agree on the sharding plan ({plan_tensors} tensors), "
+        f"{'the weights before sharding, ' if pre_shard_hashes else ''}the "
         f"all-gathered parameters after sharding and after the last step, and the optimizer at "
         f"{checks} check{'s' if checks != 1 else ''}",
         "agreed",
         (),
         details,
     )
+
+
+def _first_differing(table: Sequence[Sequence[int]], reference_rank: int, odd: Sequence[int], names: Sequence[str]) -> str:
+    """The name of the first tensor whose hash differs between the odd ranks and the reference rank."""
+    reference = table[reference_rank]
+    column = min(t for r in odd for t in range(len(reference)) if t >= len(table[r]) or table[r][t] != reference[t])
+    return names[column] if column < len(names) else f"#{column}"
 
 
 def first_difference(value: Any, reference: Any, path: str = "") -> tuple[str, Any, Any]:

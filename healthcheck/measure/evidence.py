@@ -37,7 +37,15 @@ class AuditRecorder:
         extra: Scalars to compare across ranks in the environment audit (e.g. the model dtype).
     """
 
-    def __init__(self, model: Any, *, param_check_every: int, extra: Mapping[str, Any] | None = None, sharded: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        param_check_every: int,
+        extra: Mapping[str, Any] | None = None,
+        sharded: bool = False,
+        pre_shard: Sequence[tuple[str, int]] = (),
+    ):
         if param_check_every < 1:
             raise ValueError(f"param_check_every: expected a positive int, got {param_check_every!r}")
         self.model = model
@@ -57,7 +65,7 @@ class AuditRecorder:
         if sharded:
             from healthcheck.measure.sharded_state import ShardedStateRecorder
 
-            self.sharded = ShardedStateRecorder(model)
+            self.sharded = ShardedStateRecorder(model, pre_shard)
 
     def sharded_evidence(self) -> Any:
         """The sharded-state evidence so far (FSDP2), or None for replicas."""

@@ -14,7 +14,7 @@ parameter-equality audit) does not exist. What must still hold on every rank:
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from healthcheck.artifacts import ShardedEvidence
 from healthcheck.measure import distributed as hdist
@@ -46,6 +46,20 @@ def full_parameter_hashes(model: Any) -> list[int]:
     return [int(h) for h in torch.stack(hashes).cpu().tolist()]
 
 
+def unsharded_weight_hashes(module: Any) -> list[tuple[str, int]]:
+    """``(name, bit hash)`` of every parameter of ``module`` that ``fully_shard`` has not sliced yet (no DTensor).
+
+    ``fully_shard`` keeps each rank's own slice of the weights it finds, without a broadcast (DDP would copy
+    rank 0's), so a rank that built or loaded other weights silently contributes its slices. Hashing
+    before sharding is the one moment those weights can still be compared.
+    """
+    return [
+        (name, int(tensor_bit_hash(param.detach())))
+        for name, param in module.named_parameters()
+        if not hasattr(param, "placements")
+    ]
+
+
 def optimizer_facts(optimizer: Any) -> dict[str, Any]:
     """The optimizer's hyperparameters per parameter group and its step count (plain JSON values)."""
     groups = []
@@ -63,14 +77,19 @@ def optimizer_facts(optimizer: Any) -> dict[str, Any]:
 class ShardedStateRecorder:
     """Collects one rank's sharded-state evidence; every method is a collective (all ranks call it alike)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, pre_shard: Sequence[tuple[str, int]] = ()):
         self.model = model
         self.optimizer: Optional[Any] = None
         plan = sharding_plan(model)
         digest = hashlib.sha256("\n".join(plan).encode()).hexdigest()[:16]
-        everyone = hdist.all_gather_objects({"plan": digest, "tensors": len(plan), "hashes": full_parameter_hashes(model)})
+        mine = {"plan": digest, "tensors": len(plan), "hashes": full_parameter_hashes(model), "pre": [h for _, h in pre_shard]}
+        everyone = hdist.all_gather_objects(mine)
         self.evidence = ShardedEvidence(
-            plans=[e["plan"] for e in everyone], plan_tensors=everyone[0]["tensors"], start_hashes=[e["hashes"] for e in everyone]
+            plans=[e["plan"] for e in everyone],
+            plan_tensors=everyone[0]["tensors"],
+            pre_shard_names=[name for name, _ in pre_shard],
+            pre_shard_hashes=[e["pre"] for e in everyone],
+            start_hashes=[e["hashes"] for e in everyone],
         )
 
     def check_optimizer(self, step: int) -> None:

@@ -29,6 +29,7 @@ from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.measure.sharded_state import unsharded_weight_hashes
 from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.data import MicroBatches, load_rows, prepare_samples, shard_plan
 from healthcheck.run.failures import record_worker_failure
@@ -185,6 +186,8 @@ def _train(
                 "faults.grad_noise_std cannot be injected with distributed.strategy=fsdp: FSDP2 runs "
                 "parameter hooks on the sharded, already reduce-scattered gradient"
             )
+        # FSDP2 slices each rank's own weights without a broadcast: hash them while they are still whole.
+        pre_shard = unsharded_weight_hashes(model) if strategy == "fsdp" else []
         wrapped = wrap_model(model, config.distributed, device, info.world_size)
         # The sketch projection must be identical on every rank, so it is seeded from the global
         # config, never from this rank's (possibly perturbed) seed.
@@ -224,6 +227,7 @@ def _train(
             param_check_every=config.metrics.param_check_every,
             extra={"model_dtype": rank_config.model.dtype, "strategy": strategy},
             sharded=strategy == "fsdp",
+            pre_shard=pre_shard,
         )
         audit.watch_optimizer(optimizer)
         audit.record_rng("rng_start", device)

@@ -10,7 +10,8 @@ gradient is reduce-scattered only on the last micro-batch (``set_requires_gradie
 same loop with DistributedDataParallel instead, for comparisons.
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
-``--bug loss-x2-rank=R``: rank R multiplies its loss by 2.
+``--bug loss-x2-rank=R``: rank R multiplies its loss by 2. ``--bug stale-weights-rank=R``: rank R's copy of the
+checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
 """
 
 import argparse
@@ -84,7 +85,7 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--bug", default="none", help="none or loss-x2-rank=R")
+    ap.add_argument("--bug", default="none", help="none, loss-x2-rank=R or stale-weights-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -92,6 +93,10 @@ def main():
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
+    bug, _, bug_rank = args.bug.partition("=")
+    if bug == "stale-weights-rank" and rank == int(bug_rank):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.001)
     if args.wrap == "fsdp":
         model = shard(model)
     else:
@@ -100,7 +105,6 @@ def main():
     sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    bug, _, bug_rank = args.bug.partition("=")
     loss_scale = 2.0 if bug == "loss-x2-rank" and rank == int(bug_rank) else 1.0
     if rank == 0 and os.path.exists(args.log):
         os.remove(args.log)

@@ -77,6 +77,18 @@ def test_sketch_mode_follows_a_reduce_scatter_per_microbatch(runs):
         assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=bound), key
 
 
+def test_a_rank_with_stale_weights_before_sharding_is_named(tiny_llama, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                      script_args=("--bug", "stale-weights-rank=3"))
+    done = run_cli(*args)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    verdict = json.loads((out / "verdict.json").read_text())
+    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    assert failed.get("audit.sharded_state") == [3], failed
+    assert "lm_head.weight" in json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
+
+
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
     out = tmp_path / "run"
     done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",

@@ -75,6 +75,8 @@ def install(session: Any) -> Patches:
 
     def fully_shard(original: Any) -> Any:
         def shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            for whole in module if isinstance(module, (list, tuple)) else [module]:
+                session.before_fully_shard(whole)
             out = original(module, *args, **kwargs)
             # fully_shard also takes a list of modules that share one parameter group.
             for sharded in module if isinstance(module, (list, tuple)) else [module]:

@@ -69,6 +69,7 @@ class ScriptSession:
         self._fsdp_root: Any = None  #: the outermost module sharded so far (the root, once training starts)
         self._fsdp_handles: list[Any] = []
         self._sharded: list[Any] = []  #: every module passed to fully_shard
+        self._pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.audit: Optional[AuditRecorder] = None
         self.steps_done = 0
         self.complete = False
@@ -149,6 +150,12 @@ class ScriptSession:
             reduction_every=metrics.reduction_check_every,
         )
 
+    def before_fully_shard(self, module: Any) -> None:
+        """Hash the weights ``fully_shard`` is about to slice (the children's are sliced already)."""
+        from healthcheck.measure.sharded_state import unsharded_weight_hashes
+
+        self._pre_shard.extend(unsharded_weight_hashes(module))
+
     def on_fully_shard(self, module: Any) -> None:
         """``fully_shard(module)`` ran: the module sharded last, unless it sits inside the current root.
 
@@ -187,7 +194,9 @@ class ScriptSession:
         self.monitor = self._new_monitor(module)
         self.model = module
         self._param_ids = {id(p) for p in module.parameters()}
-        self.audit = AuditRecorder(module, param_check_every=self.config.metrics.param_check_every, sharded=True)
+        self.audit = AuditRecorder(
+            module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self._pre_shard
+        )
         self._first_training_forward(module, args)
 
     def owns_comm_hook(self, ddp: Any) -> bool:

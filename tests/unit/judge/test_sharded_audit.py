@@ -63,3 +63,12 @@ def test_parameter_outcomes_replace_replica_equality_under_fsdp():
     assert not outcomes["param_equality"].measured and "sharded" in outcomes["param_equality"].message
     assert outcomes["sharded_state"].passed
     assert set(parameter_outcomes([], NAMES, [], None)) == {"param_equality"}
+
+
+def test_a_rank_that_built_other_weights_before_sharding_is_named_with_the_tensor():
+    pre = [[7, 8, 9]] * 4
+    pre = [pre[0], [7, 8, 1], pre[2], pre[3]]
+    outcome = sharded_state_audit(["p"] * 4, 3, [[1, 2, 3]] * 4, [[4, 5, 6]] * 4, [], NAMES, pre, NAMES)
+    assert not outcome.passed and outcome.ranks == (1,)
+    assert "before fully_shard" in outcome.message and "lm_head.weight" in outcome.message
+    assert sharded_state_audit(["p"] * 4, 3, [[1, 2, 3]] * 4, [[4, 5, 6]] * 4, [], NAMES, [[7, 8, 9]] * 4, NAMES).passed
