@@ -293,6 +293,44 @@ class ShardedEvidence(Record):
     )
 
 
+class ReplayDifference(Record):
+    """How far one rank's replayed gradient is from a rank of its device group's majority (exact, float64)."""
+
+    rank: int = Field(description="The rank whose replay disagreed.")
+    reference_rank: int = Field(description="The majority rank it was measured against.")
+    max_abs: float = Field(description="Max |Δ| over every gradient element.")
+    rel_l2: float = Field(description="‖Δ‖ / ‖g_reference‖ over the whole gradient.")
+    first_tensor: str = Field("", description="The first parameter (in module order) whose gradient differs.")
+    reproduced: bool = Field(description="Whether a second replay on this rank disagreed again (persistent, not transient).")
+    repeat_rel_l2: float = Field(description="The second replay's relative L2 difference from the same reference.")
+
+
+class ReplayRound(Record):
+    """One replay: every rank computed the gradient of one micro-batch from the same parameters."""
+
+    step: int = Field(description="Replayed before this training step, on the parameters it starts from.")
+    source_rank: int = Field(description="The rank whose micro-batch every rank replayed (broadcast).")
+    groups: list[list[int]] = Field(description="Ranks grouped by replayed gradient within each device group, largest first.")
+    params_agree: bool = Field(True, description="Whether every rank replayed from bit-identical parameters.")
+    differences: list[ReplayDifference] = Field(default_factory=list, description="One per rank outside its device group's majority.")
+    no_majority: list[list[int]] = Field(default_factory=list, description="Device groups whose ranks split with no strict majority.")
+    seconds: float = Field(0.0, description="Wall time of the round on rank 0 (replay, fingerprints, comparisons).")
+
+
+class ReplayEvidence(Record):
+    """The replay audit's evidence: how replays were compared, and every round (identical on every rank)."""
+
+    mode: Literal["bitwise", "tolerance"] = Field(description="bitwise: equal bits required; tolerance: a measured relative L2 bound.")
+    mode_reason: str = Field(description="Why this mode: what determinism the backend and settings give.")
+    tolerance: float = Field(0.0, ge=0, description="Tolerance mode: the relative L2 bound, from repeat replays on each rank.")
+    repeat_spread: list[float] = Field(default_factory=list, description="Tolerance mode: each rank's relative L2 between two repeats.")
+    device_groups: list[list[int]] = Field(
+        default_factory=list, description="Ranks grouped by device name; replays are compared within a group."
+    )
+    every: int = Field(0, ge=0, description="metrics.replay_every.")
+    rounds: list[ReplayRound] = Field(default_factory=list)
+
+
 class AuditEvidence(Record):
     """Everything the exact audits need, as rank 0 holds it after the last step."""
 
@@ -306,6 +344,7 @@ class AuditEvidence(Record):
     )
     plan_samples: int = Field(0, ge=0, description="Samples in the data set the shared shard plan splits.")
     sharded: Optional[ShardedEvidence] = Field(None, description="FSDP2 runs: the sharded-state evidence.")
+    replay: Optional[ReplayEvidence] = Field(None, description="The replay audit's evidence (None when no replay ran).")
 
 
 class WorkerReport(Record):

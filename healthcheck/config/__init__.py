@@ -1,6 +1,8 @@
-"""The probe's configuration: typed sections (:mod:`.schema`) and how a file becomes one (:mod:`.loading`)."""
+"""The probe's configuration: typed sections (:mod:`.schema`), how a file becomes one (:mod:`.loading`)
+and how a rank resolves its own (:mod:`.per_rank`)."""
 
 from healthcheck.config.loading import apply_set, dump_yaml, json_schema, load_config, parse_set, read_yaml_mapping
+from healthcheck.config.per_rank import effective_seed, resolve_for_rank
 from healthcheck.config.schema import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
@@ -17,8 +19,6 @@ from healthcheck.config.schema import (
     TrainConfig,
     builtin_only_fields,
     deep_merge,
-    effective_seed,
-    resolve_for_rank,
 )
 
 __all__ = [

@@ -196,6 +196,13 @@ class MetricsConfig(_Section):
         "steps that a rank no slower than the others does that with probability <= this (one-sided sign test).",
     )
 
+    replay_every: int = Field(
+        15,
+        ge=0,
+        description="The replay audit: before the first step and every k-th step, every rank computes the gradient of "
+        "the same micro-batch from the same parameters, and a rank that disagrees is named (0: never). One extra "
+        "forward and backward per replay.",
+    )
     rank_outlier_max_p: float = Field(
         1e-6,
         gt=0,
@@ -226,6 +233,10 @@ class FaultConfig(_Section):
         "exception", description="How crash_at_step crashes: raise an exception, or SIGKILL the worker itself."
     )
     hang_at_step: Optional[int] = Field(None, ge=0, description="Sleep forever at the start of this step (a hung worker).")
+    matmul_error: float = Field(
+        0.0, ge=0, le=1, description="A bad device: scale every Linear/Conv1D output by 1 + this (relative error), replays included."
+    )
+    matmul_error_from_step: int = Field(0, ge=0, description="The step from which matmul_error applies.")
     startup_hang_launches: int = Field(
         0,
         ge=0,
@@ -384,33 +395,3 @@ def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-# --------------------------------------------------------------------------- per-rank resolution
-
-
-def effective_seed(config: ProbeConfig, rank: int) -> int:
-    """This rank's seed under ``seed_policy`` (before any explicit rank override)."""
-    if config.seed_policy == "rank0_differs" and rank == 0:
-        return config.train.seed + RANK0_SEED_OFFSET
-    if config.seed_policy == "per_rank":
-        return config.train.seed + rank
-    return config.train.seed
-
-
-def resolve_for_rank(config: ProbeConfig, rank: int) -> ProbeConfig:
-    """The config this rank actually trains with: seed policy first, then its explicit override.
-
-    >>> c = ProbeConfig(seed_policy="per_rank")
-    >>> resolve_for_rank(c, 3).train.seed
-    45
-    >>> resolve_for_rank(ProbeConfig(rank_overrides={0: {"train": {"lr": 0.01}}}), 0).train.lr
-    0.01
-    """
-    data = config.model_dump(exclude={"rank_overrides"})
-    data["train"]["seed"] = effective_seed(config, rank)
-    data = deep_merge(data, config.rank_overrides.get(rank, {}))
-    resolved = ProbeConfig.model_validate(data)
-    if resolved.train.data_seed is None:
-        resolved.train.data_seed = resolved.train.seed
-    return resolved

@@ -17,6 +17,7 @@ from healthcheck.artifacts import (
     NonFiniteEvent,
     RankEvidence,
     RankInfo,
+    ReplayEvidence,
     ShardedEvidence,
     WorkerReport,
 )
@@ -32,6 +33,7 @@ from healthcheck.judge.exact_audits import (
     seed_audit,
 )
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
+from healthcheck.judge.replay_audit import replay_audit
 from healthcheck.judge.shard_audit import data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.measure.evidence import planned_shards
@@ -83,6 +85,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
+    outcomes["replay"] = replay_outcome(config, evidence.replay)
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
 
 
@@ -108,6 +111,25 @@ def parameter_outcomes(
             sharded.pre_shard_names,
         ),
     }
+
+
+def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence]) -> AuditOutcome:
+    """The replay audit, or why it was not measured (switched off, a script, FSDP2)."""
+    if config.metrics.replay_every == 0:
+        return not_measured("metrics.replay_every is 0")
+    if config.script is not None:
+        return not_measured(
+            "a --script probe does not replay yet: healthcheck would need the script's loss of a captured "
+            "micro-batch, which only some scripts expose (HF models given labels)"
+        )
+    if config.distributed.strategy == "fsdp":
+        return not_measured(
+            "parameters are sharded (FSDP2): no rank holds the whole model to replay a micro-batch on its own; "
+            "sharded_state checks what every rank must share"
+        )
+    if evidence is None:
+        return not_measured("the workers recorded no replay")
+    return replay_audit(evidence)
 
 
 def builtin_shard_audit(

@@ -1,10 +1,10 @@
 """Fail fast: stop a probe at the first decisive failure instead of running its remaining steps.
 
 Some evidence is final long before the last step: shards that overlap are in the sampler plan before
-the first step, seeds and the environment are known at start-up, and a parameter-hash mismatch or a
-non-finite value is known at its step. The workers judge that evidence with the same pure audits the
-post-run assembly uses (:mod:`.assemble`), on data every rank holds identically after a gather, so
-every rank reaches the same decision at the same step without another collective.
+the first step, seeds and the environment are known at start-up, and a parameter-hash mismatch, a
+rank whose replay of a shared micro-batch disagrees or a non-finite value is known at its step. The
+workers judge that evidence with the same pure audits the post-run assembly uses (:mod:`.assemble`),
+on data every rank holds identically after a gather, so every rank reaches the same decision at the same step without another collective.
 
 A failure is decisive when its audit is exact (:data:`DECISIVE`) and the baseline does not approve that
 very signature. Statistical checks (envelopes, stragglers, rank outliers) never stop a probe: their
@@ -30,7 +30,7 @@ from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.ranks import ranks_phrase
 
 #: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
-DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "nonfinite")
+DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite")
 
 
 class FailFast:

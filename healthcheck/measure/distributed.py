@@ -257,6 +257,13 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+def broadcast(tensor, src: int, group=None) -> None:
+    """Rank ``src``'s ``tensor`` into ``tensor`` on every rank, in place (same shape and dtype everywhere)."""
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=src, group=group)
+
+
 def barrier(group=None) -> None:
     import torch.distributed as dist
 

@@ -39,3 +39,34 @@ def device_name(device: Any) -> str:
     if device.type == "npu":
         return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
     return platform.processor() or platform.machine() or "cpu"
+
+
+#: cuBLAS workspace settings under which its kernels are deterministic (the CUDA documentation's two).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def replay_determinism(device: Any) -> tuple[str, str]:
+    """How the replay audit can compare ranks on ``device``: ``("bitwise" | "tolerance", why)``.
+
+    Equal inputs give equal bits on CPU (every rank runs the same kernels and thread count). On CUDA
+    that needs ``torch.use_deterministic_algorithms(True)`` and ``CUBLAS_WORKSPACE_CONFIG`` set to one of
+    :data:`DETERMINISTIC_CUBLAS`; without them ranks are compared within a tolerance measured from repeat
+    replays on the same rank.
+    """
+    import torch
+
+    if device.type == "cpu":
+        return "bitwise", "CPU kernels are deterministic: equal parameters and batch give bit-identical gradients"
+    missing = []
+    if not torch.are_deterministic_algorithms_enabled():
+        missing.append("torch.use_deterministic_algorithms(True)")
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if device.type == "cuda" and workspace not in DETERMINISTIC_CUBLAS:
+        missing.append(f"CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]}")
+    if not missing:
+        return "bitwise", f"{device.type} with deterministic algorithms (CUBLAS_WORKSPACE_CONFIG={workspace})"
+    return (
+        "tolerance",
+        f"{device.type} without {' and '.join(missing)}: kernels may differ run to run, so replays are compared "
+        "within a tolerance measured from repeat replays on each rank",
+    )

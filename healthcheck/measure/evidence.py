@@ -22,7 +22,7 @@ import pickle
 import random
 from typing import Any, Mapping, Optional, Sequence
 
-from healthcheck.artifacts import AuditEvidence, RankEvidence, SamplerPlan
+from healthcheck.artifacts import AuditEvidence, RankEvidence, ReplayEvidence, SamplerPlan
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.bit_hash import parameter_hashes
 
@@ -60,6 +60,8 @@ class AuditRecorder:
         self.sampler: Optional[SamplerPlan] = None
         self.shard_source = "sampler"
         self.loss_problem: Optional[str] = None
+        #: The replay audit's evidence (:mod:`healthcheck.run.replay_rounds` fills it; the same on every rank).
+        self.replay: Optional[ReplayEvidence] = None
         # FSDP2: no parameter is replicated, so check steps compare the optimizer instead (collective).
         self.sharded = None
         if sharded:
@@ -116,6 +118,7 @@ class AuditRecorder:
             param_drift=self.param_drift,
             plan_samples=plan_samples,
             sharded=sharded,
+            replay=self.replay,
         )
 
     def param_names(self) -> list[str]:

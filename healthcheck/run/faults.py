@@ -10,17 +10,48 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Optional
 
 from healthcheck.config import FaultConfig
 
 
-def install_faults(model, faults: FaultConfig) -> None:
-    """Register the gradient-side faults on ``model``'s parameters (a no-op when all are off)."""
+def install_faults(model, faults: FaultConfig, step_marker: Optional[dict[str, Optional[int]]] = None) -> None:
+    """Register the gradient-side and device faults on ``model`` (a no-op when all are off).
+
+    ``step_marker``: ``{"step": s}``, the step in progress (the training loop's), for faults that start
+    at a step.
+    """
     if faults.grad_noise_std > 0:
         std = faults.grad_noise_std
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(_noise_hook(std))
+    if faults.matmul_error > 0:
+        install_matmul_error(model, faults.matmul_error, faults.matmul_error_from_step, step_marker or {"step": 0})
+
+
+def install_matmul_error(model, relative: float, from_step: int, step_marker: dict[str, Optional[int]]) -> int:
+    """A bad device: every Linear (and transformers' Conv1D) output scaled by ``1 + relative`` from ``from_step``.
+
+    Forward hooks on the modules themselves, so the error is in everything this rank computes, the
+    replay audit's replays included (it is a property of the device, not of the training step), and in
+    the local gradient it hands to the all-reduce. Returns the number of hooked modules.
+    """
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    factor = 1.0 + relative
+
+    def scale(module, inputs, output):
+        step = step_marker.get("step")
+        if step is None or step < from_step:
+            return None
+        return output * factor
+
+    hooked = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+    for module in hooked:
+        module.register_forward_hook(scale)
+    return len(hooked)
 
 
 def at_step_start(faults: FaultConfig, step: int) -> None:

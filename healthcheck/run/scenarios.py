@@ -171,6 +171,14 @@ CATALOGUE: tuple[Scenario, ...] = (
         str(FAULTY_RANK),
     ),
     Scenario(
+        "bad-device",
+        "one rank's matmul outputs are off by 1e-3 relative from step 10 (a device that computes slightly wrong)",
+        (_on_faulty_rank("faults", "matmul_error: 0.001, matmul_error_from_step: 10", rank=SEEDED_RANK),),
+        ("audit.replay",),
+        SEEDED_RANK,
+        fsdp_not_applicable="the replay audit needs each rank to hold the whole model; under FSDP2 every rank holds a shard",
+    ),
+    Scenario(
         "nan",
         f"rank {FAULTY_RANK}'s loss turns NaN at step 15",
         (_on_faulty_rank("faults", "nan_at_step: 15"),),

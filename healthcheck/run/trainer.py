@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE
 from healthcheck.config import ProbeConfig
@@ -28,6 +28,9 @@ from healthcheck.run.faults import at_step_start as faults_at_step_start
 from healthcheck.run.progress import StepProgress
 from healthcheck.run.sharding import sync_context
 from healthcheck.run.watchdog import Heartbeat
+
+if TYPE_CHECKING:
+    from healthcheck.run.replay_rounds import ReplayRounds
 
 
 def _autocast(device: Any, precision: str) -> Any:
@@ -46,7 +49,7 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def micro_step_loss(model: Any, batch: dict[str, Any], device: Any, precision: str) -> Any:
+def micro_step_loss(model: Any, batch: Mapping[str, Any], device: Any, precision: str) -> Any:
     """Summed token cross-entropy of one micro-batch (the caller normalises by the step's tokens)."""
     import torch.nn.functional as F
 
@@ -59,7 +62,17 @@ def micro_step_loss(model: Any, batch: dict[str, Any], device: Any, precision: s
     return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def response_tokens(batch: dict[str, Any]) -> int:
+def replay_loss(call: Callable[..., Any], batch: Mapping[str, Any], device: Any, precision: str) -> Any:
+    """The loss of one micro-batch as the training step computes it (per response token), through ``call``.
+
+    The replay audit's forward (:class:`~healthcheck.measure.replay.GradientReplay` passes ``call``, the
+    model on detached parameters). A rank's loss-side faults (``loss_scale``, ``nan_at_step``) are settings
+    of the step, not of the device, and stay out of it.
+    """
+    return micro_step_loss(call, batch, device, precision) / max(response_tokens(batch), 1)
+
+
+def response_tokens(batch: Mapping[str, Any]) -> int:
     """Tokens that carry loss in one micro-batch (labels are shifted by one for a causal LM)."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
@@ -126,6 +139,7 @@ class TrainLoop:
         run_dir: Where rank 0 writes the rows.
         heartbeat: The watchdog's view of this rank's progress.
         audit: The exact audits' recorder, or None.
+        replay: The replay audit's rounds (before step 0 and every ``metrics.replay_every``), or None.
         fail_fast: The stop decision: a non-finite value always stops the loop; a decisive audit failure
             (a parameter-hash mismatch) stops it when fail fast is on.
         step_marker: ``{"step": s}``, the step in progress, for a crash report.
@@ -144,6 +158,7 @@ class TrainLoop:
     run_dir: Path
     heartbeat: Heartbeat
     audit: Optional[AuditRecorder] = None
+    replay: Optional[ReplayRounds] = None
     fail_fast: FailFast = dataclasses.field(default_factory=FailFast)
     step_marker: dict[str, Optional[int]] = dataclasses.field(default_factory=lambda: {"step": None})
     #: Rank 0 prints its own progress line only when no launcher of ours shows one (under torchrun).
@@ -218,6 +233,9 @@ class TrainLoop:
             micro.append(self.batches.next())
             if self.audit is not None:  # the epoch is read after next(), which may have started a new one
                 self.audit.record_batch(self.batches.epoch, micro[-1]["sample_ids"])
+        if self.replay is not None and self.replay.due(step):  # collective: the same steps on every rank
+            self.heartbeat.beat(step, "replay")
+            self.fail_fast.judge(step, {"replay": self.replay.check(step, micro[0])})
         local_loss, tokens = backward_over_micro_batches(
             self.model,
             micro,

@@ -24,8 +24,9 @@ HEARTBEAT_DIR = "heartbeat"
 #: Phases of one step, in order; a rank further along has a higher (step, phase index).
 #: "backward" is the final micro-step's backward, where DDP's all-reduce runs: a rank waiting there
 #: for a peer is distinguishable from the peer still computing.
-#: "script" is a --script probe's worker before its first optimizer step.
-PHASES = ("start", "script", "compute", "backward", "sync", "optimizer")
+#: "script" is a --script probe's worker before its first optimizer step; "replay" is the replay audit's
+#: extra forward and backward (and its collectives), before the step's own.
+PHASES = ("start", "script", "compute", "replay", "backward", "sync", "optimizer")
 
 
 class Heartbeat:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
@@ -27,7 +27,7 @@ from healthcheck.judge.assemble import (
 )
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.environment import device_name, rank_environment, versions
+from healthcheck.measure.environment import device_name, rank_environment, replay_determinism, versions
 from healthcheck.measure.evidence import AuditRecorder
 from healthcheck.measure.sharded_state import unsharded_weight_hashes
 from healthcheck.run.console import redirect_worker_output
@@ -37,8 +37,11 @@ from healthcheck.run.faults import before_process_group as faults_before_process
 from healthcheck.run.faults import install_faults
 from healthcheck.run.modeling import build_model, load_tokenizer
 from healthcheck.run.sharding import wrap_model
-from healthcheck.run.trainer import TrainLoop
+from healthcheck.run.trainer import TrainLoop, replay_loss
 from healthcheck.run.watchdog import Heartbeat
+
+if TYPE_CHECKING:
+    from healthcheck.run.replay_rounds import ReplayRounds
 
 
 class PhaseClock:
@@ -83,6 +86,35 @@ def start_checks(
     fail_fast.judge(0, outcomes)
     if fail_fast.stop is not None and fail_fast.stop.check == "data_shards":
         audit.consumed = reads
+
+
+#: Tolerance mode's sketch size: the distance estimates' relative error is about sqrt(2/p) / 2 (~2%).
+REPLAY_SKETCH_DIM = 1024
+
+
+def replay_rounds(config: ProbeConfig, rank_config: ProbeConfig, model: Any, device: Any, ranks: list[RankInfo]) -> Optional[ReplayRounds]:
+    """The replay audit's rounds on this rank; None when ``metrics.replay_every`` is 0 or under FSDP2.
+
+    Under FSDP2 each rank holds a shard of every parameter (a DTensor), so a rank cannot compute a whole
+    gradient on its own; the audit then reports why it was not measured.
+    """
+    if config.metrics.replay_every == 0 or config.distributed.strategy != "ddp":
+        return None
+    # Imported here: the replay imports torch, and importing the probe must not (``config show`` stays fast).
+    from healthcheck.measure.replay import GradientReplay
+    from healthcheck.run.replay_rounds import ReplayRounds
+
+    mode, reason = replay_determinism(device)
+    precision = rank_config.train.precision
+    replay = GradientReplay(
+        model,
+        lambda call, batch: replay_loss(call, batch, device, precision),
+        device=device,
+        seed=config.train.seed,  # the global seed: the same batch choice and dropout masks on every rank
+        sketch_dim=REPLAY_SKETCH_DIM if mode == "tolerance" else 0,
+    )
+    names = [info.device_name for info in ranks]
+    return ReplayRounds(replay, every=config.metrics.replay_every, device_names=names, mode=mode, mode_reason=reason)
 
 
 def seed_everything(seed: int) -> dict[str, int]:
@@ -199,7 +231,7 @@ def _train(
             seed=config.train.seed,
             reduction_every=config.metrics.reduction_check_every,
         )
-        install_faults(model, rank_config.faults)
+        install_faults(model, rank_config.faults, step_marker)
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(rank_config.train.lr_warmup_steps))
         plan = shard_plan(rank_config.data, rank_config.train, info.rank, info.world_size)
@@ -230,6 +262,8 @@ def _train(
             pre_shard=pre_shard,
         )
         audit.watch_optimizer(optimizer)
+        replay = replay_rounds(config, rank_config, model, device, all_ranks)
+        audit.replay = replay.evidence if replay is not None else None
         audit.record_rng("rng_start", device)
         # The shard plan is the *global* config's, whatever this rank's data override says (every rank
         # computes the same size: one sample per data row).
@@ -253,6 +287,7 @@ def _train(
             run_dir=run_dir,
             heartbeat=heartbeat,
             audit=audit,
+            replay=replay,
             fail_fast=fail_fast,
             step_marker=step_marker,
             show_progress=show_progress,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 SHORT = ["--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--set", "distributed.nproc=4",
          "--set", "metrics.param_check_every=2", "--set", "metrics.reduction_check_every=2"]
 ALL_AUDITS = {"data_shards", "seeds", "param_equality", "environment", "nonfinite", "stragglers", "reduction_numerics",
-              "rank_outliers"}
+              "rank_outliers", "replay"}
 
 
 def probe_audits(tmp_path, name, *extra) -> dict:
@@ -39,7 +39,7 @@ def test_rank0_own_seed_is_named_by_seeds_and_shards(tmp_path):
     assert shards["message"].startswith("rank 0's sampler order departs from the plan")
     # What a seed does not change must still hold exactly: DDP keeps the parameters equal, the
     # reduction is within rounding, and the environment is the same on every rank.
-    for name in ("param_equality", "reduction_numerics", "environment", "nonfinite", "stragglers", "rank_outliers"):
+    for name in ("param_equality", "reduction_numerics", "environment", "nonfinite", "stragglers", "rank_outliers", "replay"):
         assert audits[name]["passed"], (name, audits[name]["message"])
     assert audits["param_equality"]["check_steps"] == [0, 2, 4, 5]
     assert audits["reduction_numerics"]["checked_steps"] == [0, 2, 4]
