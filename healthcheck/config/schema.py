@@ -211,6 +211,7 @@ class MetricsConfig(_Section):
         "gradient norm, cosine to the mean or token count in so many steps that ranks reading shards of one dataset "
         "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms.",
     )
+    spike_max_p: float = Field(0.01, gt=0, lt=1, description="The spikes audit's false-alarm rate per clean probe (Bonferroni, t4 tails).")
 
     @model_validator(mode="after")
     def _reduction_on_sampled_steps(self) -> "MetricsConfig":
@@ -228,6 +229,8 @@ class FaultConfig(_Section):
     )
     step_sleep_ms: float = Field(0.0, ge=0, le=60_000, description="Sleep this long in every step's compute.")
     nan_at_step: Optional[int] = Field(None, ge=0, description="Make the local loss NaN at this step.")
+    bitflip_at_step: Optional[int] = Field(None, ge=0, description="At this step, flip bitflip_bit of the loss this rank backpropagates.")
+    bitflip_bit: int = Field(28, ge=23, le=30, description="fp32 exponent bit bitflip_at_step flips (28: x2^32 for a loss in [2, 2^33)).")
     crash_at_step: Optional[int] = Field(None, ge=0, description="Crash this rank at the start of this step (reliability tests).")
     crash_mode: Literal["exception", "sigkill"] = Field(
         "exception", description="How crash_at_step crashes: raise an exception, or SIGKILL the worker itself."

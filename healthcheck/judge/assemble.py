@@ -1,7 +1,7 @@
 """After the run: the workers' evidence and the step files become ``result.audits``, one entry per audit.
 
 :func:`run_audits` computes the planned sampler order and hands everything to the pure audits
-(:mod:`.shard_audit`, :mod:`.exact_audits`, :mod:`.rank_outliers`); ``healthcheck.run.probe`` stores
+(:mod:`.shard_audit`, :mod:`.exact_audits`, :mod:`.rank_outliers`, :mod:`.spikes`); ``healthcheck.run.probe`` stores
 the outcome in ``result.json``.
 """
 
@@ -36,6 +36,7 @@ from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit,
 from healthcheck.judge.replay_audit import replay_audit
 from healthcheck.judge.shard_audit import data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
+from healthcheck.judge.spikes import SPIKE_METRICS, spike_audit
 from healthcheck.measure.evidence import planned_shards
 
 
@@ -78,11 +79,13 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     metrics = config.metrics
     outcomes["stragglers"] = straggler_audit(compute, metrics.straggler_factor, metrics.straggler_max_p)
     per_step: dict[int, dict[str, list[Any]]] = {}
+    per_rank_columns = tuple(dict.fromkeys(OUTLIER_METRICS + SPIKE_METRICS))
     for row in rows:
-        columns = per_step.setdefault(row["step"], {m: [None] * world for m in OUTLIER_METRICS})
-        for metric in OUTLIER_METRICS:
+        columns = per_step.setdefault(row["step"], {m: [None] * world for m in per_rank_columns})
+        for metric in per_rank_columns:
             columns[metric][row["rank"]] = row.get(metric)
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
+    outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
     outcomes["replay"] = replay_outcome(config, evidence.replay)

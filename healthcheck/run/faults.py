@@ -2,13 +2,15 @@
 
 They act on the training step itself (the gradient a rank hands to the all-reduce, its timing, its
 loss), never on the metrics code, so the guard is tested on the same signals a real fault produces.
-The loss-side faults (``nan_at_step``, ``train.loss_scale``) live in the trainer's step.
+The loss-side faults (``nan_at_step``, ``bitflip_at_step``, ``train.loss_scale``) live in the trainer's
+step; :func:`flip_float32_bit` is the bit flip they apply.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 from typing import Optional
 
@@ -70,6 +72,26 @@ def before_process_group(faults: FaultConfig, launch_attempt: int) -> None:
     if launch_attempt <= faults.startup_hang_launches:
         while True:  # what a worker deadlocked in start-up looks like to the launcher
             time.sleep(3600)
+
+
+def flip_float32_bit(value: float, bit: int) -> float:
+    """``value`` as an IEEE fp32 with one bit flipped (bit 31 is the sign, 30-23 the exponent, 22-0 the mantissa).
+
+    The ``bitflip`` fault flips an exponent bit of the summed loss a rank backpropagates, so the step's loss
+    and every element of its local gradient are scaled by the same power of two. Why the loss and not one
+    gradient element: a gradient element of magnitude below 1 (every one in the probe's model) has exponent
+    bits 29-23 that can only take it below 2 when flipped, which moves a gradient norm of ~2 by less than the
+    ranks differ, while bit 30 multiplies it by 2^128, and its square overflows fp32: the non-finite audit's
+    case. A summed loss in [2, 2^33) has bits 29-23 clear, and bit 28 multiplies it by exactly 2^32; the local
+    gradient norm becomes ~1e10, whose square (~1e20) stays finite in the monitor's fp32 arithmetic::
+
+        >>> flip_float32_bit(3.0, 28) == 3.0 * 2**32, flip_float32_bit(6e-3, 28) < 6e-3, flip_float32_bit(6e-3, 30) > 1e35
+        (True, True, True)
+        >>> flip_float32_bit(flip_float32_bit(3.0, 28), 28)
+        3.0
+    """
+    (word,) = struct.unpack("<I", struct.pack("<f", value))
+    return struct.unpack("<f", struct.pack("<I", word ^ (1 << bit)))[0]
 
 
 class InjectedFault(RuntimeError):

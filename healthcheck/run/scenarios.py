@@ -26,6 +26,9 @@ FAULTY_RANK = 3
 FIRST_SEED = 1000
 
 
+#: The bitflip scenario's step: past the metrics warm-up, and off the every-10 parameter and reduction checks.
+BITFLIP_STEP = 25
+
 #: In a scenario's sets and ``expected_ranks``: the rank :func:`seeded_rank` picks from the run's seed.
 SEEDED_RANK = "{rank}"
 
@@ -177,6 +180,16 @@ CATALOGUE: tuple[Scenario, ...] = (
         ("audit.replay",),
         SEEDED_RANK,
         fsdp_not_applicable="the replay audit needs each rank to hold the whole model; under FSDP2 every rank holds a shard",
+    ),
+    Scenario(
+        "bitflip",
+        f"one rank flips exponent bit 28 of the loss it backpropagates at step {BITFLIP_STEP} "
+        "(x2^32 for that step's loss and local gradient)",
+        (_on_faulty_rank("faults", f"bitflip_at_step: {BITFLIP_STEP}", rank=SEEDED_RANK),),
+        ("audit.spikes",),
+        SEEDED_RANK,
+        # The flip is in the loss, not in one gradient element (faults.flip_float32_bit says why), so it needs
+        # no gradient hook and exists under FSDP2 too, where the monitor reads the same local loss and norm.
     ),
     Scenario(
         "nan",

@@ -25,6 +25,7 @@ from healthcheck.measure.records import aggregate_row, rank_rows
 from healthcheck.measure.step_gather import CLOSE_WAIT_S
 from healthcheck.run.data import IGNORE_INDEX, MicroBatches
 from healthcheck.run.faults import at_step_start as faults_at_step_start
+from healthcheck.run.faults import flip_float32_bit
 from healthcheck.run.progress import StepProgress
 from healthcheck.run.sharding import sync_context
 from healthcheck.run.watchdog import Heartbeat
@@ -85,6 +86,7 @@ def backward_over_micro_batches(
     precision: str,
     loss_scale: float = 1.0,
     poison: bool = False,
+    flip_bit: Optional[int] = None,
     before_last_backward: Optional[Callable[[], None]] = None,
 ) -> tuple[Any, int]:
     """Forward and backward every micro-batch of one optimizer step; gradients are reduced on the last one
@@ -92,7 +94,9 @@ def backward_over_micro_batches(
 
     The loss is normalised by the step's response tokens on this rank (known before any forward),
     so an all-truncated micro-batch contributes zero instead of 0/0. ``poison`` makes the loss NaN
-    (the ``faults.nan_at_step`` fault). Returns this rank's token-weighted loss (a 0-d tensor,
+    (the ``faults.nan_at_step`` fault); ``flip_bit`` flips that bit of the first non-zero summed micro-batch
+    loss before its backward (``faults.bitflip_at_step``, see :func:`~healthcheck.run.faults.flip_float32_bit`).
+    Returns this rank's token-weighted loss (a 0-d tensor,
     ``loss_scale`` included) and its token count.
     """
     import torch
@@ -106,6 +110,9 @@ def backward_over_micro_batches(
             summed = micro_step_loss(model, batch, device, precision)
             if poison:
                 summed = summed * float("nan")
+            if flip_bit is not None and (exact := float(summed.detach())) != 0:  # a host sync, on the faulted step only
+                summed = summed * (flip_float32_bit(exact, flip_bit) / exact)  # a power of two: the flip, exactly
+                flip_bit = None
             if is_last and before_last_backward is not None:
                 before_last_backward()
             (summed * (loss_scale / denominator)).backward()
@@ -243,6 +250,7 @@ class TrainLoop:
             precision=train.precision,
             loss_scale=train.loss_scale,
             poison=faults.nan_at_step == step,
+            flip_bit=faults.bitflip_bit if faults.bitflip_at_step == step else None,
             before_last_backward=lambda: self.heartbeat.beat(step, "backward"),
         )
         _sync(self.device)
