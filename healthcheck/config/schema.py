@@ -211,7 +211,9 @@ class MetricsConfig(_Section):
         "gradient norm, cosine to the mean or token count in so many steps that ranks reading shards of one dataset "
         "would do so with probability <= this (binomial, 1/N per step); 8 x N x this bounds its false alarms.",
     )
-    spike_max_p: float = Field(0.01, gt=0, lt=1, description="The spikes audit's false-alarm rate per clean probe (Bonferroni, t4 tails).")
+    spike_max_p: float = Field(
+        0.01, gt=0, lt=1, description="The spikes audit's false-alarm rate per clean probe (Bonferroni, Student t3 tails)."
+    )
 
     @model_validator(mode="after")
     def _reduction_on_sampled_steps(self) -> "MetricsConfig":

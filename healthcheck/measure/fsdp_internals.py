@@ -150,6 +150,43 @@ def comm_class() -> type:
     return MonitoredReduceScatter
 
 
+def install_all_gather(param_group: Any, comm: Any) -> Any:
+    """Put ``comm`` in ``param_group``'s all-gather slot; return the comm it replaces (to delegate to and to restore)."""
+    inner = param_group._all_gather_comm
+    param_group._all_gather_comm = comm
+    return inner
+
+
+def restore_all_gather(param_group: Any, inner: Any) -> None:
+    param_group._all_gather_comm = inner
+
+
+@functools.lru_cache(maxsize=None)
+def timed_all_gather_class() -> type:
+    """The ``AllGather`` subclass that times every call of the comm it wraps (see :func:`comm_class`)."""
+    import time
+
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class TimedAllGather(AllGather):
+        """One parameter group's all-gather, passed through; the seconds each call took go to ``on_time``."""
+
+        def __init__(self, inner: Any, on_time: Callable[[float], None]):
+            self.inner, self.on_time = inner, on_time
+
+        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+            start = time.perf_counter()
+            try:
+                return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+            finally:
+                self.on_time(time.perf_counter() - start)
+
+    return TimedAllGather
+
+
 def keep_for_default_stream(tensor: Any) -> Any:
     """A tensor made inside the comm (FSDP's reduce-scatter stream) and read later on the default stream:
     tell the CUDA caching allocator, so its memory is not reused before that read. No-op on CPU."""

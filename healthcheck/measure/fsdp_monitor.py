@@ -100,12 +100,27 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._slices: dict[int, Any] = {}  # exact + every micro-batch: every rank's slices of this shard
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
-        comm_class = fsdp_internals.comm_class()
+        self._waited = 0.0  # seconds this step spent inside FSDP2's blocking collectives
+        self._waited_at_arrival = 0.0
+        comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
+        self._gathers = []
         for index, (module, state, param_group) in enumerate(groups):
             comm = comm_class(index, param_group, self._on_reduce_scatter)
             comm.inner = fsdp_internals.install(module, state, param_group, comm)
             self._comms.append(comm)
+            gather = gather_class(param_group._all_gather_comm, self._add_wait)
+            fsdp_internals.install_all_gather(param_group, gather)
+            self._gathers.append((param_group, gather))
+
+    def _add_wait(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def _wait_before_arrival(self) -> float:
+        # FSDP2's all-gathers and reduce-scatters block every rank until the slowest arrives (gloo; on
+        # CUDA they are stream launches and cost ~0 here), so a straggler's delay is spent waiting by
+        # the *others*, inside the step. Without these waits busy_ms would be the same on every rank.
+        return self._waited_at_arrival
 
     # ----------------------------------------------------------------------- the comm
 
@@ -115,6 +130,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         import torch
 
         self._arrived = time.perf_counter()
+        self._waited_at_arrival = self._waited
         index, world = comm.index, self._world
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         if calls > 1 and self.direction == "exact" and not self.every_microbatch:
@@ -127,8 +143,12 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         pre, sum_scale = fsdp_internals.true_gradient_scale(comm.param_group, group, local, op)
         checking = self._checking_reduction()
         if self.direction == "exact" or checking:
+            started = time.perf_counter()
             mean64 = self._exchange(index, local.view(world, -1), pre, group, checking)
+            self._waited += time.perf_counter() - started
+        started = time.perf_counter()
         comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
+        self._waited += time.perf_counter() - started
         keep = fsdp_internals.keep_for_default_stream
         self._sqnorm[index] = keep(dot_fp32(local, local) * (pre * pre))
         mean_shard = output.to(torch.float32) * (sum_scale / world)  # ḡ on this rank's shard
@@ -235,10 +255,13 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         super()._clear_partials()
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
+        self._waited = self._waited_at_arrival = 0.0
 
     def close(self) -> None:
         """Stop measuring and give every parameter group its own reduce-scatter back."""
         super().close()
         for comm in self._comms:
             fsdp_internals.restore(comm.param_group, comm.inner)
-        self._comms = []
+        for param_group, gather in self._gathers:
+            fsdp_internals.restore_all_gather(param_group, gather.inner)
+        self._comms, self._gathers = [], []

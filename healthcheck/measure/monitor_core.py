@@ -122,7 +122,7 @@ class ConsistencyMonitor:
         if previous_release is not None and self._arrived is not None:
             # From the end of the previous reduction (a moment every rank shares) to this rank's last
             # gradient piece: the rank's own work, without the waiting at the collectives.
-            extras.setdefault("busy_ms", (self._arrived - previous_release) * 1000)
+            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival()) * 1000)
         try:
             inflight = self._launch(step, loss, tokens, extras)
         finally:
@@ -170,6 +170,10 @@ class ConsistencyMonitor:
             overlap=self.overlap,
             from_gram=self._sketch_gram_use(),
         )
+
+    def _wait_before_arrival(self) -> float:
+        """Seconds of this step spent waiting for other ranks before ``_arrived`` (DDP: none, it waits after)."""
+        return 0.0
 
     def _dot_total(self, indices: list[int]) -> Any:
         return sum_partials(self._dot, indices)
