@@ -81,9 +81,10 @@ def run_sweep(args) -> list[dict]:
     return outcomes
 
 
-def matrix_text(outcomes: list[dict]) -> str:
-    """The Markdown tables: scenario x check firing fractions, then detection, right rank and false alarms."""
-    from healthcheck.run.scenarios import SCENARIOS
+def matrix_text(outcomes: list[dict], strategy: str = "ddp") -> str:
+    """The Markdown tables: scenario x check firing fractions, then detection, right rank and false alarms
+    (expected checks as judged under ``strategy``)."""
+    from healthcheck.run.scenarios import SCENARIOS, SEEDED_RANK
 
     order = list(dict.fromkeys(o["scenario"] for o in outcomes))
     checks = sorted({c for o in outcomes for c in o["fired"]}, key=lambda c: (not c.startswith("audit."), c))
@@ -99,7 +100,7 @@ def matrix_text(outcomes: list[dict]) -> str:
             k = sum(check in o["fired"] for o in runs)
             cells.append(f"{k}/{n}" if k else "·")
         lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
-        scenario = SCENARIOS.get(name)
+        scenario = SCENARIOS[name].under(strategy) if name in SCENARIOS else None
         unfinished = sum(o["status"] != "complete" for o in runs)
         if name == "clean":
             alarms = sum(bool(o["fired"]) for o in runs)
@@ -107,27 +108,35 @@ def matrix_text(outcomes: list[dict]) -> str:
         else:
             expected = " or ".join(scenario.expected_checks) if scenario else "?"
             ranks = scenario.expected_ranks if scenario else "?"
+            ranks = "seeded: 1-7 by seed" if ranks == SEEDED_RANK else ranks
             detected = sum(o["detected"] for o in runs)
             right = sum(o["right_rank"] for o in runs)
             summary.append(f"| {name} | {expected} ({ranks}) | {detected}/{n} | {right}/{n} | {unfinished}/{n} |")
     return "\n".join(lines) + "\n\n" + "\n".join(summary)
 
 
+def _strategy(base_sets: list[str]) -> str:
+    from healthcheck.config import load_config
+
+    return load_config(None, list(base_sets)).distributed.strategy
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.from_json:
-        outcomes = []
+        outcomes, strategies = [], set()
         for path in args.from_json:
             data = json.loads(path.read_text())
             print(f"command: {data.get('command')}  ({len(data['outcomes'])} runs, baseline {data.get('baseline')})")
             outcomes += data["outcomes"]
+            strategies.add(_strategy(data.get("base_sets", [])))
         print()
-        print(matrix_text(outcomes))
+        print(matrix_text(outcomes, strategies.pop() if len(strategies) == 1 else "ddp"))
         return 0
     args.runs_root.mkdir(parents=True, exist_ok=True)
     outcomes = run_sweep(args)
     print()
-    print(matrix_text(outcomes))
+    print(matrix_text(outcomes, _strategy(args.sets)))
     return 0
 
 

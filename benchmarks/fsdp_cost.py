@@ -95,7 +95,7 @@ def arm_worker(arm: str, model_name: str, steps: int, warmup: int) -> dict[str, 
         hdist.destroy_distributed()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="small-gpt2", help="a healthcheck preset (default small-gpt2)")
     parser.add_argument("--nproc", type=int, default=4)
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         vs_ddp = f"{row['step_ms'] / ddp['step_ms']:.3f}" if ddp else "-"
         extra = f"{row['peak_mib'] - plain['peak_mib']:+.1f}" if plain and plain is not row else "-"
         print(f"{arm:<12} {row['step_ms']:>8.1f} {vs_plain:>9} {vs_ddp:>7} {row['peak_mib']:>9.1f} {extra:>10} {row['grad_mib']:>9.2f}")
+    return table
 
 
 if __name__ == "__main__":

@@ -276,7 +276,16 @@ OVERRIDABLE_SECTIONS = ("model", "data", "train", "faults")
 SCRIPT_FIELDS = {
     "train": ("steps", "seed"),
     "distributed": ("nproc", "device", "backend", "timeout_s", "startup_timeout_s"),
-    "faults": ("grad_noise_std", "step_sleep_ms", "crash_at_step", "crash_mode", "hang_at_step", "startup_hang_launches"),
+    "faults": (
+        "grad_noise_std",
+        "step_sleep_ms",
+        "matmul_error",
+        "matmul_error_from_step",
+        "crash_at_step",
+        "crash_mode",
+        "hang_at_step",
+        "startup_hang_launches",
+    ),
 }
 #: Sections a --script probe ignores entirely.
 BUILTIN_ONLY_SECTIONS = ("model", "data")

@@ -23,9 +23,10 @@ Outside a probe, :func:`record_loss` does nothing, so a script may call it uncon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 IGNORE_INDEX = -100
 
@@ -57,6 +58,7 @@ class LossCapture:
         self._micro: list[_MicroBatch] = []
         self._outside: list[tuple[Any, Any]] = []  # record_loss calls before any training forward
         self._handles: list[Any] = []
+        self._paused = False
 
     # ------------------------------------------------------------------ wiring
 
@@ -89,10 +91,24 @@ class LossCapture:
 
     # ------------------------------------------------------------------ observations
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """See nothing while a forward that is not the script's training runs (the replay audit's)."""
+        active = self in _ACTIVE
+        if active:
+            _ACTIVE.remove(self)  # the patched cross_entropy reports only to active captures
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            if active:
+                _ACTIVE.append(self)
+
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch
 
-        if not torch.is_grad_enabled():
+        if self._paused or not torch.is_grad_enabled():
             return
         labels = kwargs.get("labels")
         self._micro.append(
@@ -102,7 +118,7 @@ class LossCapture:
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         import torch
 
-        if not torch.is_grad_enabled() or not self._micro:
+        if self._paused or not torch.is_grad_enabled() or not self._micro:
             return
         micro = self._micro[-1]
         log_probs, label_mask, loss = (_field(output, name) for name in ("log_probs", "label_mask", "loss"))

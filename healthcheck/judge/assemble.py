@@ -117,14 +117,11 @@ def parameter_outcomes(
 
 
 def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence]) -> AuditOutcome:
-    """The replay audit, or why it was not measured (switched off, a script, FSDP2)."""
+    """The replay audit, or why it was not measured (switched off, FSDP2, a script whose model gives no loss)."""
     if config.metrics.replay_every == 0:
         return not_measured("metrics.replay_every is 0")
-    if config.script is not None:
-        return not_measured(
-            "a --script probe does not replay yet: healthcheck would need the script's loss of a captured "
-            "micro-batch, which only some scripts expose (HF models given labels)"
-        )
+    if evidence is not None and evidence.unavailable:
+        return not_measured(evidence.unavailable)
     if config.distributed.strategy == "fsdp":
         return not_measured(
             "parameters are sharded (FSDP2): no rank holds the whole model to replay a micro-batch on its own; "

@@ -15,12 +15,36 @@ and the largest spread between the two sets the bound (:func:`~healthcheck.judge
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from healthcheck.artifacts import ReplayDifference, ReplayEvidence, ReplayRound
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks
 from healthcheck.judge.replay_audit import ReplaySplit, replay_audit, replay_tolerance, split_replays, tolerance_labels
 from healthcheck.measure.replay import GradientReplay, LocalReplay, ReplayTable, relative_l2
+
+#: Folded-sketch size for the tolerance mode's distances (relative error ~sqrt(2/1024) = 4%).
+REPLAY_SKETCH_DIM = 1024
+
+
+def build_rounds(
+    config: Any, module: Any, loss_of: Callable[[Callable[..., Any], Mapping[str, Any]], Any], device: Any, device_names: Sequence[str]
+) -> Optional[ReplayRounds]:
+    """This rank's replay rounds for ``module`` (the trained module, not its DDP wrapper), or None when
+    ``metrics.replay_every`` is 0. ``loss_of(call, batch)`` is the loss the replay differentiates."""
+    if config.metrics.replay_every == 0:
+        return None
+    from healthcheck.measure.environment import replay_determinism
+    from healthcheck.measure.replay import GradientReplay
+
+    mode, reason = replay_determinism(device)
+    replay = GradientReplay(
+        module,
+        loss_of,
+        device=device,
+        seed=config.train.seed,  # the global seed: the same batch choice and dropout masks on every rank
+        sketch_dim=REPLAY_SKETCH_DIM if mode == "tolerance" else 0,
+    )
+    return ReplayRounds(replay, every=config.metrics.replay_every, device_names=device_names, mode=mode, mode_reason=reason)
 
 
 class ReplayRounds:

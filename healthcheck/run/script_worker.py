@@ -25,6 +25,7 @@ from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.failures import record_worker_failure
 from healthcheck.run.faults import at_step_start, before_process_group, install_faults
 from healthcheck.run.progress import StepProgress
+from healthcheck.run.replay_rounds import build_rounds
 from healthcheck.run.trainer import write_rows
 from healthcheck.run.watchdog import Heartbeat
 
@@ -78,6 +79,7 @@ class _ScriptRun:
         self.config, self.run_dir, self.started_at = config, run_dir, started_at
         self.fail_fast = fail_fast
         self.show_progress = show_progress
+        self._step_marker: dict[str, Optional[int]] = {"step": 0}  #: the step in progress, for faults that start at a step
         self.choose_run_dir = choose_run_dir
         self.rank = hdist.get_dist_info().rank
         self.rank_config = resolve_for_rank(config, self.rank)
@@ -99,7 +101,8 @@ class _ScriptRun:
             after_step=self._after_step,
             on_metrics=self._on_metrics,
             on_process_group=self._on_process_group,
-            install_faults=lambda module: install_faults(module, self.rank_config.faults),
+            install_faults=lambda module: install_faults(module, self.rank_config.faults, self._step_marker),
+            make_replay=lambda module, loss_of, device, names: build_rounds(self.config, module, loss_of, device, names),
         )
         session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
         path = Path(self.config.script.path)
@@ -147,6 +150,7 @@ class _ScriptRun:
         at_step_start(self.rank_config.faults, step)
 
     def _after_step(self, step: int) -> None:
+        self._step_marker["step"] = step + 1  # the forwards from here on are the next step's
         # Between the optimizer step and the next forward: part of this rank's own work.
         if self.rank_config.faults.step_sleep_ms:
             time.sleep(self.rank_config.faults.step_sleep_ms / 1000)

@@ -27,7 +27,7 @@ from healthcheck.judge.assemble import (
 )
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.environment import device_name, rank_environment, replay_determinism, versions
+from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
 from healthcheck.measure.sharded_state import unsharded_weight_hashes
 from healthcheck.run.console import redirect_worker_output
@@ -89,32 +89,21 @@ def start_checks(
 
 
 #: Tolerance mode's sketch size: the distance estimates' relative error is about sqrt(2/p) / 2 (~2%).
-REPLAY_SKETCH_DIM = 1024
-
-
 def replay_rounds(config: ProbeConfig, rank_config: ProbeConfig, model: Any, device: Any, ranks: list[RankInfo]) -> Optional[ReplayRounds]:
     """The replay audit's rounds on this rank; None when ``metrics.replay_every`` is 0 or under FSDP2.
 
     Under FSDP2 each rank holds a shard of every parameter (a DTensor), so a rank cannot compute a whole
     gradient on its own; the audit then reports why it was not measured.
     """
-    if config.metrics.replay_every == 0 or config.distributed.strategy != "ddp":
+    if config.distributed.strategy != "ddp":
         return None
     # Imported here: the replay imports torch, and importing the probe must not (``config show`` stays fast).
-    from healthcheck.measure.replay import GradientReplay
-    from healthcheck.run.replay_rounds import ReplayRounds
+    from healthcheck.run.replay_rounds import build_rounds
 
-    mode, reason = replay_determinism(device)
     precision = rank_config.train.precision
-    replay = GradientReplay(
-        model,
-        lambda call, batch: replay_loss(call, batch, device, precision),
-        device=device,
-        seed=config.train.seed,  # the global seed: the same batch choice and dropout masks on every rank
-        sketch_dim=REPLAY_SKETCH_DIM if mode == "tolerance" else 0,
+    return build_rounds(
+        config, model, lambda call, batch: replay_loss(call, batch, device, precision), device, [info.device_name for info in ranks]
     )
-    names = [info.device_name for info in ranks]
-    return ReplayRounds(replay, every=config.metrics.replay_every, device_names=names, mode=mode, mode_reason=reason)
 
 
 def seed_everything(seed: int) -> dict[str, int]:

@@ -75,6 +75,12 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
     assert audits["data_shards"]["measured"] and audits["data_shards"]["samples_per_rank"][0] >= STEPS
     assert "PASS" in done.stdout and "audits only" in done.stdout
+    # The replay audit runs where the script's model computes its own loss (it is given labels).
+    replay = audits["replay"]
+    if name in ("hf_trainer", "accelerate_loop"):
+        assert replay["measured"] and "bit-identical" in replay["message"], replay["message"]
+    elif name == "ddp_tutorial":
+        assert not replay["measured"] and "without labels" in replay["message"], replay["message"]
 
 
 def test_global_loss_from_the_rows_equals_the_frameworks_own_logged_loss(client_run):
@@ -139,3 +145,18 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
         assert result["stopped_early"] == {"step": 0, "check": check.removeprefix("audit."),
                                            "message": result["audits"][check.removeprefix("audit.")]["message"]}
         assert result["steps_completed"] == 0
+
+
+def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, tmp_path):
+    # transformers.Trainer's model computes its loss from the batch, so every rank can replay one rank's
+    # micro-batch; rank 2's matmuls are off by 1e-3 from step 1 (a device fault, in its replays too).
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=6,
+                               extra=("--set", "metrics.replay_every=2",
+                                      "--set", "rank_overrides={2: {faults: {matmul_error: 0.001, matmul_error_from_step: 1}}}")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    verdict = json.loads((out / "verdict.json").read_text())
+    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    assert failed == {"audit.replay": [2]}, failed
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]

@@ -75,3 +75,14 @@ def test_sketch_cost_table(capsys):
     line = capsys.readouterr().out.splitlines()[-1]
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert cells[0] == "20,000" and all(float(c) > 0 for c in cells[1:5]) and cells[5] == "0.1 MiB"
+
+
+@pytest.mark.multiprocess
+def test_fsdp_cost_smoke_run(capsys):
+    # FSDP2 against DDP: every arm trains, and each of 2 sharded ranks holds half the gradient a DDP rank holds.
+    with loaded_script("fsdp_cost") as fsdp_cost:
+        table = fsdp_cost.main(["--model", "tiny-gpt2", "--nproc", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+                                "--arms", "ddp", "fsdp", "fsdp+sketch"])
+    assert set(table) == {"ddp", "fsdp", "fsdp+sketch"} and all(row["step_ms"] > 0 for row in table.values())
+    assert table["fsdp"]["grad_mib"] == pytest.approx(table["ddp"]["grad_mib"] / 2, rel=0.05)
+    assert capsys.readouterr().out.splitlines()[-1].split()[0] == "fsdp+sketch"

@@ -27,12 +27,13 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional
 
-from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
+from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.patches import install
+from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
@@ -54,6 +55,8 @@ class SessionHooks:
     on_metrics: Callable[[int, Any, Optional[float]], None]  #: (step, StepMetrics, lr): rows and progress
     on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
     install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
+    #: (module, loss_of, device, device names) -> the replay audit's rounds, or None when switched off
+    make_replay: Callable[[Any, Any, Any, list[str]], Any] = lambda module, loss_of, device, names: None
 
 
 class ScriptSession:
@@ -68,6 +71,8 @@ class ScriptSession:
         self.monitor: Any = None
         self._fsdp_root: Any = None  #: the outermost module sharded so far (the root, once training starts)
         self._fsdp_handles: list[Any] = []
+        self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
+        self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self._sharded: list[Any] = []  #: every module passed to fully_shard
         self._pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.audit: Optional[AuditRecorder] = None
@@ -133,6 +138,7 @@ class ScriptSession:
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
         self._handles.append(ddp.module.register_forward_pre_hook(self._first_training_forward))
+        self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
 
@@ -251,6 +257,8 @@ class ScriptSession:
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
         self._pending_lr[step] = float(lr) if isinstance(lr, (int, float)) else None
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
+        if self._replay is not None and self._replay.due(step):
+            self._replay_round(step)
         self.hooks.beat(step, "optimizer")
 
     def _record(self, metrics: Any) -> None:
@@ -278,6 +286,8 @@ class ScriptSession:
                 ),
             )
         self.steps_done += 1
+        if self._keeper is not None:
+            self._keeper.reset()
         if self.steps_done >= self.config.train.steps or self.fail_fast.stop is not None:
             self._finish()
             raise ProbeComplete()
@@ -326,8 +336,10 @@ class ScriptSession:
             sampler=plan,
             shard_source="none" if loader is None else ("sampler" if plan else "loader"),
         )
-        gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump()})
+        replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
+        gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
         self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
+        self._start_replay(device, next((item["replay"] for item in gathered if item["replay"]), None))
         if self.fail_fast.policy.enabled:
             per_rank = [RankEvidence.model_validate(item["evidence"]) for item in gathered]
             self.fail_fast.judge(
@@ -340,6 +352,30 @@ class ScriptSession:
             )
         self._first_step_at = time.time()
         self._train_started = time.perf_counter()
+
+    def _start_replay(self, device: Any, problem: Optional[str]) -> None:
+        """The replay audit's rounds, where every rank's model computes its own loss (decided alike on all ranks)."""
+        assert self.audit is not None
+        if self.config.metrics.replay_every == 0:
+            return
+        if problem is not None or self._keeper is None:
+            self.audit.replay = ReplayEvidence(mode="bitwise", mode_reason="", unavailable=problem)
+            return
+        self._replay = self.hooks.make_replay(self.model.module, model_loss, device, [r.device_name for r in self._all_ranks])
+        if self._replay is not None:
+            self.audit.replay = self._replay.evidence
+
+    def _replay_round(self, step: int) -> None:
+        """Collective: replay this step's first micro-batch of one rank on every rank, before the update."""
+        assert self._keeper is not None
+        self.hooks.beat(step, "replay")
+        self._keeper.paused = True
+        try:
+            with self.capture.paused():  # the replay's forward is not the script's training
+                outcome = self._replay.check(step, self._keeper.batch or {})
+        finally:
+            self._keeper.paused = False
+        self.fail_fast.judge(step, {"replay": outcome})
 
     def _finish(self) -> None:
         """Every rank, at the same step: close the monitor, gather the evidence; rank 0 keeps the report."""
