@@ -108,8 +108,8 @@ def test_a_straggler_under_fsdp2_is_named_though_every_collective_waits_for_it(t
     # out, or every rank would look exactly as slow as the straggler.
     out = tmp_path / "run"
     done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",
-                   "--set", "distributed.nproc=4", "--set", "train.steps=30", "--set", "metrics.replay_every=0",
-                   "--set", "rank_overrides={1: {faults: {step_sleep_ms: 60}}}")
+                   "--set", "distributed.nproc=4", "--set", "train.steps=40", "--set", "metrics.replay_every=0",
+                   "--set", "rank_overrides={1: {faults: {step_sleep_ms: 120}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
