@@ -23,6 +23,7 @@ Each arm runs ``--rounds`` times in rotation; the table keeps the median step ti
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Any
@@ -90,6 +91,12 @@ def arm_worker(arm: str, model_name: str, steps: int, warmup: int) -> dict[str, 
         if monitor is not None:
             monitor.close()
         peaks = hdist.all_gather_objects(peak)
+        hdist.barrier()
+        # Free DDP's reducer while the process group is still registered: a reducer that outlives
+        # destroy_process_group runs the group's destructor itself, which joins gloo's thread while
+        # holding the GIL that thread may need (a teardown deadlock seen once in the test suite).
+        del wrapped, model, optimizer, monitor
+        gc.collect()
         return {"step_ms": statistics.median(times), "peak_mib": max(peaks), "grad_mib": grad_bytes / 2**20}
     finally:
         hdist.destroy_distributed()

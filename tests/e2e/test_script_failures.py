@@ -62,7 +62,7 @@ def test_a_script_that_fails_or_stops_early_is_exit_3_naming_it(tmp_path, mode, 
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        ("no-ddp", "before building a DistributedDataParallel model"),
+        ("no-ddp", "before training a DistributedDataParallel or FSDP2 (fully_shard) model"),
         ("comm-hook", "registers its own DDP communication hook"),
         ("spawn", "starts its own worker processes (torch.multiprocessing.spawn)"),
     ],

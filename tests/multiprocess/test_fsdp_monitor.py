@@ -11,7 +11,11 @@ micro-batch; exact and sketch; the reduction check; and training unchanged again
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,8 @@ from healthcheck.errors import InvalidInput
 from healthcheck.measure import distributed
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.multiprocess
 
@@ -179,9 +185,19 @@ def _worker():
         distributed.destroy_distributed()
 
 
+def _launch() -> dict:
+    return launcher.launch_local(_worker, WORLD, run_id="fsdp-monitor")[0]
+
+
 @pytest.fixture(scope="module")
 def outcome():
-    return launcher.launch_local(_worker, WORLD, run_id="fsdp-monitor")[0]
+    # In a fresh interpreter: forked from the long-lived pytest process (threads and state from earlier
+    # tests), a rank once hung for the whole timeout in the full suite; alone it never did.
+    code = "import json; from tests.multiprocess.test_fsdp_monitor import _launch; print('RESULT ' + json.dumps(_launch()))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=540)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.parametrize("case", [f"{d}-{a}-{m}" for d, a, m, _ in CASES])
