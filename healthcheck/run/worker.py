@@ -11,6 +11,7 @@ Rank 0 returns a :class:`~healthcheck.artifacts.WorkerReport`; a rank that fails
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from pathlib import Path
@@ -288,6 +289,12 @@ def _train(
         monitor.close()
         evidence = audit.finish(plan_samples)
         clock.lap("finish")
+        train_s, steps_completed = loop.train_s, loop.steps_completed
+        # Free DDP's reducer (and everything holding the model) while the process group still exists: a
+        # reducer that outlives destroy_process_group destroys the group itself, later, at exit or in a GC
+        # pass, where gloo's threads cannot always be joined (seen: std::terminate at exit under torchrun).
+        del loop, replay, monitor, optimizer, scheduler, wrapped, model
+        gc.collect()
         if evidence is None:  # not rank 0
             return None
         return WorkerReport(
@@ -298,8 +305,8 @@ def _train(
             backend=backend,
             world_size=info.world_size,
             startup_s=first_step_at - started_at,
-            train_s=loop.train_s,
-            steps_completed=loop.steps_completed,
+            train_s=train_s,
+            steps_completed=steps_completed,
             stopped_early=fail_fast.stop,
             phases=clock.phases,
         )
