@@ -15,7 +15,7 @@ count on every check step, and the bit hashes of the weights each rank held befo
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, ranks_phrase
 
@@ -44,24 +44,19 @@ def sharded_state_audit(
             tuple(odd),
             details,
         )
-    if pre_shard_hashes:
-        groups = group_ranks([tuple(row) for row in pre_shard_hashes])
-        if len(groups) > 1:
-            odd = odd_ones_out(groups)
-            tensor = _first_differing(pre_shard_hashes, groups[0][0], odd, pre_shard_names)
-            return AuditOutcome(
-                False,
-                f"the weights {ranks_phrase(odd)} built before fully_shard differ from {ranks_phrase(groups[0])}'s (first "
-                f"differing tensor: {tensor}); FSDP2 keeps each rank's own slice, so the model trained is a mix of them",
-                f"weights before sharding {partition_signature(groups)}",
-                tuple(odd),
-                details,
-            )
+    if pre_shard_hashes and (split := _hash_split(pre_shard_hashes, pre_shard_names)) is not None:
+        groups, odd, tensor = split
+        return AuditOutcome(
+            False,
+            f"the weights {ranks_phrase(odd)} built before fully_shard differ from {ranks_phrase(groups[0])}'s (first "
+            f"differing tensor: {tensor}); FSDP2 keeps each rank's own slice, so the model trained is a mix of them",
+            f"weights before sharding {partition_signature(groups)}",
+            tuple(odd),
+            details,
+        )
     for when, table in (("after sharding", start_hashes), ("after the last step", end_hashes)):
-        groups = group_ranks([tuple(row) for row in table])
-        if len(groups) > 1:
-            odd = odd_ones_out(groups)
-            tensor = _first_differing(table, groups[0][0], odd, names)
+        if (split := _hash_split(table, names)) is not None:
+            groups, odd, tensor = split
             return AuditOutcome(
                 False,
                 f"the all-gathered parameters differ {when} on {ranks_phrase(odd)} (first "
@@ -96,11 +91,15 @@ def sharded_state_audit(
     )
 
 
-def _first_differing(table: Sequence[Sequence[int]], reference_rank: int, odd: Sequence[int], names: Sequence[str]) -> str:
-    """The name of the first tensor whose hash differs between the odd ranks and the reference rank."""
-    reference = table[reference_rank]
+def _hash_split(table: Sequence[Sequence[int]], names: Sequence[str]) -> Optional[tuple[list[list[int]], list[int], str]]:
+    """Ranks grouped by their hash rows, the odd ones out and the first tensor where they differ; None when all agree."""
+    groups = group_ranks([tuple(row) for row in table])
+    if len(groups) < 2:
+        return None
+    odd = odd_ones_out(groups)
+    reference = table[groups[0][0]]
     column = min(t for r in odd for t in range(len(reference)) if t >= len(table[r]) or table[r][t] != reference[t])
-    return names[column] if column < len(names) else f"#{column}"
+    return groups, odd, names[column] if column < len(names) else f"#{column}"
 
 
 def first_difference(value: Any, reference: Any, path: str = "") -> tuple[str, Any, Any]:

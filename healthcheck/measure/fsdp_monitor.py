@@ -29,11 +29,12 @@ mean of the slices the all-to-all brought (exact mode has them; sketch mode exch
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed, fsdp_internals, step_gather
+from healthcheck.measure import distributed, fsdp_internals
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import dot_fp32, unit_roundoff
@@ -116,6 +117,15 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
     def _add_wait(self, seconds: float) -> None:
         self._waited += seconds
 
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Count the enclosed blocking collective's time as waiting (see :meth:`_wait_before_arrival`)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add_wait(time.perf_counter() - start)
+
     def _wait_before_arrival(self) -> float:
         # FSDP2's all-gathers and reduce-scatters block every rank until the slowest arrives (gloo; on
         # CUDA they are stream launches and cost ~0 here), so a straggler's delay is spent waiting by
@@ -143,12 +153,10 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         pre, sum_scale = fsdp_internals.true_gradient_scale(comm.param_group, group, local, op)
         checking = self._checking_reduction()
         if self.direction == "exact" or checking:
-            started = time.perf_counter()
-            mean64 = self._exchange(index, local.view(world, -1), pre, group, checking)
-            self._waited += time.perf_counter() - started
-        started = time.perf_counter()
-        comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
-        self._waited += time.perf_counter() - started
+            with self._waiting():
+                mean64 = self._exchange(index, local.view(world, -1), pre, group, checking)
+        with self._waiting():
+            comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
         keep = fsdp_internals.keep_for_default_stream
         self._sqnorm[index] = keep(dot_fp32(local, local) * (pre * pre))
         mean_shard = output.to(torch.float32) * (sum_scale / world)  # ḡ on this rank's shard
@@ -229,21 +237,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         if checking:
             extras.update(self._reduction_extras(indices))
         zero = torch.zeros((), dtype=torch.float64, device=sqnorm.device)
-        return step_gather.launch(
-            step=step,
-            direction=self.direction,
-            group=self._group,
-            world=self._world,
-            loss=loss,
-            tokens=tokens,
-            sqnorm=sqnorm,
-            dot=zero,
-            mean_sqnorm=zero,
-            extras=extras,
-            gram=gram,
-            buckets=len(indices),
-            overlap=self.overlap,
-        )
+        return self._gather(step, indices, loss=loss, tokens=tokens, sqnorm=sqnorm, dot=zero, mean_sqnorm=zero, extras=extras, gram=gram)
 
     def _reduction_extras(self, indices: list[int]) -> dict[str, float]:
         import torch

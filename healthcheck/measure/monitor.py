@@ -177,20 +177,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if checking:  # the reduction extras exist only after the pass, so the header takes its own gather
             gram, reduction = self._stream(indices, gram=True, reduction=True)
             extras.update(reduction)
-            return step_gather.launch(
-                step=step,
-                direction=self.direction,
-                group=self._group,
-                world=self._world,
-                loss=loss,
-                tokens=tokens,
-                sqnorm=sqnorm,
-                dot=zero,
-                mean_sqnorm=zero,
-                extras=extras,
-                gram=gram,
-                buckets=len(indices),
-                overlap=self.overlap,
+            return self._gather(
+                step, indices, loss=loss, tokens=tokens, sqnorm=sqnorm, dot=zero, mean_sqnorm=zero, extras=extras, gram=gram
             )
         header, names = step_gather.pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=zero, mean_sqnorm=zero, extras=extras)
         gram, fused = self._stream(indices, gram=True, reduction=False, header=header)

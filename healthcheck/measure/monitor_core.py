@@ -154,11 +154,9 @@ class ConsistencyMonitor:
             return self._exact_pieces(step, loss, tokens, extras, indices, checking)
         if checking:
             extras.update(self._reduction_extras(indices))
-        return step_gather.launch(
-            step=step,
-            direction=self.direction,
-            group=self._group,
-            world=self._world,
+        return self._gather(
+            step,
+            indices,
             loss=loss,
             tokens=tokens,
             sqnorm=sum_partials(self._sqnorm, indices),
@@ -166,14 +164,24 @@ class ConsistencyMonitor:
             mean_sqnorm=sum_partials(self._mean_sqnorm, indices),
             extras=extras,
             sketch=sum_sketches(self._sketch, indices),
-            buckets=len(indices),
-            overlap=self.overlap,
             from_gram=self._sketch_gram_use(),
         )
 
     def _wait_before_arrival(self) -> float:
         """Seconds of this step spent waiting for other ranks before ``_arrived`` (DDP: none, it waits after)."""
         return 0.0
+
+    def _gather(self, step: int, indices: list[int], **pieces: Any) -> InFlight:
+        """:func:`step_gather.launch` with what this monitor always passes (its group, mode and overlap)."""
+        return step_gather.launch(
+            step=step,
+            direction=self.direction,
+            group=self._group,
+            world=self._world,
+            buckets=len(indices),
+            overlap=self.overlap,
+            **pieces,
+        )
 
     def _dot_total(self, indices: list[int]) -> Any:
         return sum_partials(self._dot, indices)

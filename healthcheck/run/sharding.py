@@ -12,6 +12,7 @@ from typing import Any
 
 from healthcheck.config import DistributedConfig
 from healthcheck.errors import InvalidInput
+from healthcheck.measure.fsdp_internals import is_fsdp_module
 
 
 def wrap_model(model: Any, config: DistributedConfig, device: Any, world_size: int) -> Any:
@@ -54,7 +55,7 @@ def fully_shard_blocks(model: Any, device: Any, world_size: int) -> Any:
 def sync_context(model: Any, is_last: bool) -> Any:
     """Reduce gradients only on the last micro-batch of an optimizer step: ``no_sync`` for DDP,
     ``set_requires_gradient_sync`` for FSDP2 (whose default would reduce-scatter every micro-batch)."""
-    if hasattr(model, "set_requires_gradient_sync"):
+    if is_fsdp_module(model):
         model.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
     return contextlib.nullcontext() if is_last else model.no_sync()
@@ -62,4 +63,4 @@ def sync_context(model: Any, is_last: bool) -> Any:
 
 def trained_module(model: Any) -> Any:
     """The module whose parameters are trained: DDP's ``.module``, or the FSDP2 root itself."""
-    return getattr(model, "module", model) if not hasattr(model, "set_requires_gradient_sync") else model
+    return model if is_fsdp_module(model) else getattr(model, "module", model)

@@ -135,9 +135,9 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
 
 def wrapper_facts(model: Any) -> dict[str, str]:
     """Settings of the data-parallel wrapper that change how gradients are reduced (DDP or FSDP2)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
-        from healthcheck.measure.fsdp_internals import root_facts
+    from healthcheck.measure.fsdp_internals import is_fsdp_module, root_facts
 
+    if is_fsdp_module(model):
         return root_facts(model)
     return {
         "ddp.bucket_bytes_cap": str(getattr(model, "bucket_bytes_cap", "?")),
