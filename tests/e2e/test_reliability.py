@@ -59,7 +59,15 @@ def test_worker_crash_exits_3_naming_rank_and_step(tmp_path, mode):
                 or "rank 1 died without an error report in step 3" in line), line
     result = result_of(out)
     assert result["status"] == "incomplete" and "rank 1" in result["failure"]
-    assert sorted({row["step"] for row in read_rows(out / "steps.jsonl")}) == [0, 1, 2]  # kept, not lost
+    kept = sorted({row["step"] for row in read_rows(out / "steps.jsonl")})
+    if mode == "exception":
+        assert kept == [0, 1, 2]  # the failing rank still finishes the gather in flight: nothing is lost
+    else:
+        # A SIGKILLed rank may die before step 2's asynchronous gather ends (README, Reliability): the
+        # steps before it are always kept, and nothing after the crash is invented.
+        assert kept in ([0, 1], [0, 1, 2]), kept
+    rows = read_rows(out / "steps.jsonl")
+    assert all(sorted(r["rank"] for r in rows if r["step"] == s) == [0, 1] for s in kept)  # whole steps only
     assert all((out / name).exists() for name in ("report.html", "report.md", "junit.xml"))
     assert_no_workers_left(out)
 
