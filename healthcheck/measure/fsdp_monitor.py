@@ -30,15 +30,20 @@ mean of the slices the all-to-all brought (exact mode has them; sketch mode exch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, Iterator
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed, fsdp_internals
+from healthcheck.measure import distributed, fsdp_internals, lateness
 from healthcheck.measure.exact_pass import reduction_error
+from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import dot_fp32, unit_roundoff
 from healthcheck.measure.step_gather import InFlight
+
+#: Per-rank extras carrying each blocking collective's wait (ms), in call order; turned into blame on arrival.
+WAIT_PREFIX = "wait_ms."
 
 
 class FSDPConsistencyMonitor(ConsistencyMonitor):
@@ -102,6 +107,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
         self._waited = 0.0  # seconds this step spent inside FSDP2's blocking collectives
+        self._waits: list[float] = []  # the same, one entry (ms) per collective, in call order
         self._waited_at_arrival = 0.0
         comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
@@ -116,6 +122,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
 
     def _add_wait(self, seconds: float) -> None:
         self._waited += seconds
+        self._waits.append(seconds * 1000)
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
@@ -130,7 +137,29 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         # FSDP2's all-gathers and reduce-scatters block every rank until the slowest arrives (gloo; on
         # CUDA they are stream launches and cost ~0 here), so a straggler's delay is spent waiting by
         # the *others*, inside the step. Without these waits busy_ms would be the same on every rank.
+        # What is left is only the ranks' typical own work: :meth:`_complete` adds who was waited for.
         return self._waited_at_arrival
+
+    def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
+        # Every rank ran the same collectives in the same order, so the names match across ranks.
+        extras.update({f"{WAIT_PREFIX}{k:05d}": ms for k, ms in enumerate(self._waits)})
+        return super()._launch(step, loss, tokens, extras)
+
+    def _complete(self, inflight: InFlight) -> StepMetrics:
+        """The step's metrics, with each rank's blame for the others' waits (``late_ms``, see
+        :mod:`healthcheck.measure.lateness`) and ``busy_ms`` as the median own work plus that blame."""
+        metrics = super()._complete(inflight)
+        extras = dict(metrics.per_rank_extras)
+        names = sorted(name for name in extras if name.startswith(WAIT_PREFIX))
+        if not names:
+            return metrics
+        columns = [extras.pop(name) for name in names]
+        blame = lateness.blame_ms([list(row) for row in zip(*columns, strict=True)])
+        extras["late_ms"] = blame
+        busy = extras.get("busy_ms")
+        if busy is not None and all(value == value for value in busy):  # NaN: a rank without a previous step
+            extras["busy_ms"] = lateness.lockstep_busy_ms(busy, blame)
+        return dataclasses.replace(metrics, per_rank_extras=extras)
 
     # ----------------------------------------------------------------------- the comm
 
@@ -250,6 +279,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
         self._waited = self._waited_at_arrival = 0.0
+        self._waits = []
 
     def close(self) -> None:
         """Stop measuring and give every parameter group its own reduce-scatter back."""

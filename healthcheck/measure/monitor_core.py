@@ -128,9 +128,9 @@ class ConsistencyMonitor:
         finally:
             self._clear_partials()
         if not self.overlap:
-            return step_gather.complete(inflight)
+            return self._complete(inflight)
         previous, self._inflight = self._inflight, inflight
-        return step_gather.complete(previous) if previous is not None else None
+        return self._complete(previous) if previous is not None else None
 
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
@@ -144,6 +144,10 @@ class ConsistencyMonitor:
             return None
         if timeout_s is not None and not step_gather.finished_within(inflight, timeout_s):
             return None
+        return self._complete(inflight)
+
+    def _complete(self, inflight: InFlight) -> StepMetrics:
+        """The step's metrics once its gather is in (a subclass may derive per-rank extras from the rows)."""
         return step_gather.complete(inflight)
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:

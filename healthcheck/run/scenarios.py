@@ -168,10 +168,10 @@ CATALOGUE: tuple[Scenario, ...] = (
     ),
     Scenario(
         "straggler",
-        f"rank {FAULTY_RANK} sleeps 50 ms in every step",
-        (_on_faulty_rank("faults", "step_sleep_ms: 50"),),
+        "one rank sleeps 50 ms in every step",
+        (_on_faulty_rank("faults", "step_sleep_ms: 50", rank=SEEDED_RANK),),
         ("audit.stragglers",),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
     ),
     Scenario(
         "bad-device",
