@@ -25,6 +25,10 @@ micro-batches need them) and computes the Gram in ``end_step``. Without it, a se
 
 The reduction check (``reduction_every``) compares each rank's reduce-scattered shard with the float64
 mean of the slices the all-to-all brought (exact mode has them; sketch mode exchanges on check steps).
+
+Step time. Every all-gather and reduce-scatter is timed, and the waits travel with the step's numbers:
+``busy_ms`` is the ranks' median own work plus the time the others waited for this rank alone
+(:mod:`healthcheck.measure.lateness`), the ``late_ms`` extra.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -251,7 +252,9 @@ def sketch_bucket(
         if nb:  # body: nb full segments
             xs = x[i + j : i + j + nb * L]
             s0 = o + g * L
-            F = (xs * tau2[s0 : s0 + nb * L]).view(nb, mm, p).sum(1, dtype=torch.float32)
+            signs = tau2[s0 : s0 + nb * L]
+            signed = torch.mul(xs, signs, out=_host_scratch(nb * L)) if dev.type == "cpu" else xs * signs
+            F = signed.view(nb, mm, p).sum(1, dtype=torch.float32)
             _rotate_add(acc, F, g, a, b, eps, parange, garange)
             j += nb * L
             g += nb
@@ -262,6 +265,23 @@ def sketch_bucket(
         return acc
     out.view(-1)[:p].add_(acc)
     return out
+
+
+_SCRATCH = threading.local()
+
+
+def _host_scratch(numel: int) -> Any:
+    """A reused fp32 host buffer of ``numel`` elements for the signed chunk (at most one chunk, T elements).
+
+    A fresh multi-MiB tensor per bucket and step costs the host allocator more than the multiply itself
+    (measured: 322 µs against 132 µs for two DDP buckets of 0.5M and 0.26M elements); the CUDA caching
+    allocator makes a fresh one free, and a shared buffer there would need stream bookkeeping. Per thread,
+    since backward and comm hooks may run on threads of their own.
+    """
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
 
 
 def _rotate_add(acc: Any, F: Any, g0: int, a: int, b: int, eps: float, parange: Any, garange: Any) -> None:

@@ -122,3 +122,14 @@ def test_unbiased_monte_carlo_norm():
     true = float(x.double() @ x.double())
     se = float(est.std()) / math.sqrt(trials)
     assert abs(float(est.mean()) - true) < 4 * se
+
+
+def test_the_reused_host_buffer_never_leaks_between_calls():
+    # The signed chunk goes through one kept host buffer (sketch._host_scratch): a bigger bucket in
+    # between, and a bf16 one, must not change what a bucket sketches to.
+    g = torch.Generator().manual_seed(7)
+    small, big = torch.randn(200_000, generator=g), torch.randn(1_500_000, generator=g)
+    first = SK.sketch_bucket(small, k=1024, seed=3, bucket_id=0).clone()
+    SK.sketch_bucket(big, k=1024, seed=3, bucket_id=1)
+    SK.sketch_bucket(big.to(torch.bfloat16), k=1024, seed=3, bucket_id=2)
+    assert torch.equal(SK.sketch_bucket(small, k=1024, seed=3, bucket_id=0), first)
