@@ -65,7 +65,8 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
     # busy_ms (the monitor's: from the previous all-reduce's end, a moment all ranks share, to this rank's
-    # last gradient bucket) when the step has it for every rank; runs recorded before it have cycle_ms.
+    # last gradient bucket, less the time its thread waited for a core on a CPU host) when the step has it
+    # for every rank; runs recorded before it have cycle_ms.
     # compute_ms ends at the all-reduce, also shared, so a rank that merely starts late looks fast in it.
     keys = ("busy_ms", "cycle_ms", "compute_ms")
     timing_by_step: dict[int, dict[str, list[float | None]]] = {}

@@ -47,7 +47,7 @@ import functools
 import time
 from typing import Any
 
-from healthcheck.measure import distributed, step_gather
+from healthcheck.measure import distributed, runqueue, step_gather
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import dot_fp32
@@ -131,6 +131,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
     def _reduce_bucket(self, bucket: Any) -> Any:
         self._arrived = time.perf_counter()  # the last bucket of a step marks the end of its backward compute
         buffer = bucket.buffer()
+        if buffer.device.type == "cpu":
+            # On a host shared by more ranks than cores, the time this rank sat waiting for a core is not
+            # its own slowness (measure/runqueue.py); on a GPU the wait is the device's, so nothing is read.
+            self._queued_at_arrival = runqueue.read()
         if not self._sampling():
             return _plain_average(buffer, self._world, self._group)
         index = bucket.index()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Mapping
 
-from healthcheck.measure import distributed, step_gather
+from healthcheck.measure import distributed, runqueue, step_gather
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.sketch import FoldedSketch
 from healthcheck.measure.step_gather import CLOSE_WAIT_S, InFlight
@@ -65,6 +65,10 @@ class ConsistencyMonitor:
         #: When this rank's latest gradient piece was ready, and when the previous step's reduction ended.
         self._arrived: float | None = None
         self._released: float | None = None
+        # Run-queue clocks (measure/runqueue.py) at those two moments; a monitor that sets _queued_at_arrival
+        # has busy_ms exclude the time its thread waited for a CPU in between.
+        self._queued_at_release: tuple[int, float] | None = None
+        self._queued_at_arrival: tuple[int, float] | None = None
         # Per-index partial results of the current step. Each key is written by exactly one hook call
         # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
         self._sqnorm: dict[int, Any] = {}
@@ -108,6 +112,7 @@ class ConsistencyMonitor:
             raise RuntimeError("WorkerConsistencyMonitor.end_step called after close()")
         released, previous_release = time.perf_counter(), self._released
         self._released = released
+        queued_at_release, self._queued_at_release = self._queued_at_release, runqueue.read()
         step = self._step
         self._step += 1
         if step % self.every != 0:
@@ -122,7 +127,8 @@ class ConsistencyMonitor:
         if previous_release is not None and self._arrived is not None:
             # From the end of the previous reduction (a moment every rank shares) to this rank's last
             # gradient piece: the rank's own work, without the waiting at the collectives.
-            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival()) * 1000)
+            queued = runqueue.waited_between(queued_at_release, self._queued_at_arrival)
+            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - queued) * 1000)
         try:
             inflight = self._launch(step, loss, tokens, extras)
         finally:
