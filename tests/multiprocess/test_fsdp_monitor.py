@@ -194,7 +194,13 @@ def outcome():
     # In a fresh interpreter: forked from the long-lived pytest process (threads and state from earlier
     # tests), a rank once hung for the whole timeout in the full suite; alone it never did.
     code = "import json; from tests.multiprocess.test_fsdp_monitor import _launch; print('RESULT ' + json.dumps(_launch()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=540)
+    for attempt in (1, 2):
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=540)
+        # A rank that never joins the process group (the start-up stall the probe relaunches for, README
+        # "Reliability"; once in a fresh-clone CI run here) has measured nothing yet: launch once more, as
+        # the probe does. Any later failure is the test's.
+        if done.returncode == 0 or attempt == 2 or "DistStoreError: wait timeout" not in done.stdout + done.stderr:
+            break
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
