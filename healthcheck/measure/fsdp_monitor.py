@@ -110,8 +110,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._slices: dict[int, Any] = {}  # exact + every micro-batch: every rank's slices of this shard
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
-        self._waited = 0.0  # seconds this step spent inside FSDP2's blocking collectives
-        self._waits: list[float] = []  # the same, one entry (ms) per collective, in call order
+        self._waits: list[float] = []  # ms this step spent inside each of FSDP2's blocking collectives, in order
         self._waited_at_arrival = 0.0
         comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
@@ -125,7 +124,6 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             self._gathers.append((param_group, gather))
 
     def _add_wait(self, seconds: float) -> None:
-        self._waited += seconds
         self._waits.append(seconds * 1000)
 
     @contextlib.contextmanager
@@ -173,7 +171,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         import torch
 
         self._arrived = time.perf_counter()
-        self._waited_at_arrival = self._waited
+        self._waited_at_arrival = sum(self._waits) / 1000
         index, world = comm.index, self._world
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         if calls > 1 and self.direction == "exact" and not self.every_microbatch:
@@ -282,7 +280,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         super()._clear_partials()
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
-        self._waited = self._waited_at_arrival = 0.0
+        self._waited_at_arrival = 0.0
         self._waits = []
 
     def close(self) -> None:
