@@ -11,8 +11,8 @@ work, here a sleep, so the collectives are the only CPU use), and reports per ra
 
     python benchmarks/collective_cost.py --nproc 8 --kinds all_gather gather broadcast all_reduce
 
-The kinds are the ``torch.distributed`` collectives of the same names (``all_gather`` is
-``all_gather_into_tensor``, which the monitor uses). Nothing here is healthcheck code: the figures
+The kinds are the ``torch.distributed`` collectives of the same names; ``all_gather`` is the
+monitor's own call (:func:`healthcheck.measure.distributed.all_gather_rows`). Nothing here is healthcheck code: the figures
 are the transport's, on this host.
 """
 
@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import socket
 import time
-from typing import Any
 
 KINDS = ("all_gather", "gather", "broadcast", "all_reduce")
+PG_TIMEOUT_S = 300.0
 
 
 def thread_cpu_ms() -> dict[str, float]:
@@ -34,54 +33,52 @@ def thread_cpu_ms() -> dict[str, float]:
     totals: dict[str, float] = {}
     for stat in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
         try:
-            fields = open(stat).read().rsplit(")", 1)[1].split()
-            name = open(stat[: -len("stat")] + "comm").read().strip()
+            with open(stat) as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(stat[: -len("stat")] + "comm") as handle:
+                name = handle.read().strip()
         except OSError:  # the thread ended between the listing and the read
             continue
         totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) * 1000 / ticks_per_s
     return totals
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespace, out: Any) -> None:
+def worker(kind: str, numel: int, ops: int, gap_ms: float) -> tuple[float, ...] | None:
+    """Time ``ops`` collectives of one kind; rank 0 returns the per-rank means
+    ``(cpu_ms, wall_ms, tcp_loop_ms, work_thread_ms)``, the other ranks None."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from healthcheck.measure import distributed as hdist
+
+    info = hdist.init_distributed("cpu", "gloo", PG_TIMEOUT_S)
     try:
-        src = torch.randn(args.numel, dtype=torch.float64)
-        flat = torch.empty(world * args.numel, dtype=torch.float64)
-        parts = [torch.empty(args.numel, dtype=torch.float64) for _ in range(world)]
+        hdist.set_worker_threads(info.local_world_size)
+        world = info.world_size
+        src = torch.randn(numel, dtype=torch.float64)
+        parts = [torch.empty(numel, dtype=torch.float64) for _ in range(world)]
         run = {
-            "all_gather": lambda: dist.all_gather_into_tensor(flat, src),
-            "gather": lambda: dist.gather(src, parts if rank == 0 else None, dst=0),
+            "all_gather": lambda: hdist.all_gather_rows(src),
+            "gather": lambda: dist.gather(src, parts if info.rank == 0 else None, dst=0),
             "broadcast": lambda: dist.broadcast(src, 0),
             "all_reduce": lambda: dist.all_reduce(src),
         }[kind]
         for _ in range(5):
             run()
-        dist.barrier()
+        hdist.barrier()
         threads_before, cpu_before, wall_before = thread_cpu_ms(), time.process_time(), time.perf_counter()
-        for _ in range(args.ops):
+        for _ in range(ops):
             run()
-            time.sleep(args.gap_ms / 1000)
-        cpu_ms = (time.process_time() - cpu_before) * 1000 / args.ops
-        wall_ms = (time.perf_counter() - wall_before) * 1000 / args.ops - args.gap_ms
+            time.sleep(gap_ms / 1000)
+        cpu_ms = (time.process_time() - cpu_before) * 1000 / ops
+        wall_ms = (time.perf_counter() - wall_before) * 1000 / ops - gap_ms
         threads_after = thread_cpu_ms()
-        by_thread = {name: (ms - threads_before.get(name, 0.0)) / args.ops for name, ms in threads_after.items()}
+        by_thread = {name: (ms - threads_before.get(name, 0.0)) / ops for name, ms in threads_after.items()}
         summary = torch.tensor([cpu_ms, wall_ms, by_thread.get("gloo_tcp_loop", 0.0), by_thread.get("pt_gloo_runloop", 0.0)])
         dist.all_reduce(summary)
-        if rank == 0:
-            out.put((kind, *(summary / world).tolist()))
+        return tuple((summary / world).tolist()) if info.rank == 0 else None
     finally:
-        dist.destroy_process_group()
+        hdist.destroy_distributed()
 
 
 def main() -> None:
@@ -95,18 +92,15 @@ def main() -> None:
     if args.nproc < 2 or args.numel < 1 or args.ops < 1 or args.gap_ms < 0:
         parser.error("--nproc >= 2, --numel and --ops >= 1, --gap-ms >= 0")
 
-    import torch.multiprocessing as mp
+    from healthcheck.run import launcher
 
-    context = mp.get_context("spawn")
     print(f"# {args.nproc} gloo ranks, {args.numel} float64 per rank, {args.ops} collectives {args.gap_ms:g} ms apart")
     print("# per rank and collective:")
     print(f"{'kind':>11} {'cpu_ms':>7} {'wall_ms':>8} {'tcp_loop_ms':>12} {'work_thread_ms':>15}")
     for kind in args.kinds:
-        queue = context.SimpleQueue()
-        port = free_port()
-        mp.start_processes(worker, args=(args.nproc, port, kind, args, queue), nprocs=args.nproc, start_method="spawn")
-        name, cpu_ms, wall_ms, loop_ms, work_ms = queue.get()
-        print(f"{name:>11} {cpu_ms:7.2f} {wall_ms:8.2f} {loop_ms:12.2f} {work_ms:15.2f}")
+        out = launcher.launch_local(worker, args.nproc, args=(kind, args.numel, args.ops, args.gap_ms), run_id=f"collective-cost-{kind}")
+        cpu_ms, wall_ms, loop_ms, work_ms = out[0]
+        print(f"{kind:>11} {cpu_ms:7.2f} {wall_ms:8.2f} {loop_ms:12.2f} {work_ms:15.2f}")
 
 
 if __name__ == "__main__":
