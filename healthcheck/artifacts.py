@@ -3,7 +3,8 @@
 Layout of ``runs/<name>-<UTC timestamp>/`` (or ``--out DIR``)::
 
     config.yaml          the resolved config, re-usable with --config
-    steps.jsonl          one row per (sampled step, rank): loss, tokens, grad_norm, cosine_to_mean, compute_ms
+    steps.jsonl          one row per (sampled step, rank): loss, tokens, grad_norm, cosine_to_mean, compute_ms,
+                         busy_ms and (DDP on a CPU host) runq_ms
     aggregates.jsonl     one row per sampled step: the dispersion/cosine aggregates and the pairwise matrix
     result.json          RunResult: config, environment, seeds per rank, timing, window summary, status
     verdict.json         the findings of the last judgement against a baseline (when there was one)

@@ -64,21 +64,8 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     rows = list(read_jsonl(Path(run_dir) / STEPS_FILE))
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
-    # busy_ms (the monitor's: from the previous all-reduce's end, a moment all ranks share, to this rank's
-    # last gradient bucket, less the time its thread waited for a core on a CPU host) when the step has it
-    # for every rank; runs recorded before it have cycle_ms.
-    # compute_ms ends at the all-reduce, also shared, so a rank that merely starts late looks fast in it.
-    keys = ("busy_ms", "cycle_ms", "compute_ms")
-    timing_by_step: dict[int, dict[str, list[float | None]]] = {}
-    for row in rows:
-        row_timing = timing_by_step.setdefault(row["step"], {key: [None] * world for key in keys})
-        for key in keys:
-            row_timing[key][row["rank"]] = row.get(key)
-    compute = {
-        step: next((t[key] for key in keys if all(v is not None for v in t[key])), t["compute_ms"]) for step, t in timing_by_step.items()
-    }
     metrics = config.metrics
-    outcomes["stragglers"] = straggler_audit(compute, metrics.straggler_factor, metrics.straggler_max_p)
+    outcomes["stragglers"] = straggler_outcome(rows, world, metrics.straggler_factor, metrics.straggler_max_p)
     per_step: dict[int, dict[str, list[Any]]] = {}
     per_rank_columns = tuple(dict.fromkeys(OUTLIER_METRICS + SPIKE_METRICS))
     for row in rows:
@@ -91,6 +78,37 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
     outcomes["replay"] = replay_outcome(config, evidence.replay)
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
+
+
+def straggler_outcome(rows: Sequence[dict[str, Any]], world: int, factor: float, max_p: float) -> AuditOutcome:
+    """The stragglers audit on the steps.jsonl rows: each step's best timing that every rank has.
+
+    busy_ms (the monitor's: from the previous all-reduce's end, a moment all ranks share, to this rank's
+    last gradient bucket, less the time its thread waited for a core on a CPU host) when the step has it
+    for every rank; runs recorded before it have cycle_ms. compute_ms ends at the all-reduce, also
+    shared, so a rank that merely starts late looks fast in it. A rank that shared its host's cores with
+    no run-queue clock (``runq_ms`` None, see :mod:`healthcheck.measure.records`) still has the waits for
+    a core in its busy_ms, so the audit is not judged on busy_ms then.
+
+    >>> rows = [{"step": s, "rank": r, "busy_ms": 100.0 + 50 * (r == 1), "runq_ms": 3.0} for s in range(30) for r in range(4)]
+    >>> straggler_outcome(rows, 4, 1.035, 1e-4).ranks
+    (1,)
+    >>> rows[-1]["runq_ms"] = None
+    >>> straggler_outcome(rows, 4, 1.035, 1e-4).message[:38]
+    'not measured: rank 3 shares their host'
+    """
+    keys = ("busy_ms", "cycle_ms", "compute_ms")
+    timing_by_step: dict[int, dict[str, list[float | None]]] = {}
+    for row in rows:
+        row_timing = timing_by_step.setdefault(row["step"], {key: [None] * world for key in keys})
+        for key in keys:
+            row_timing[key][row["rank"]] = row.get(key)
+    compute = {
+        step: next((t[key] for key in keys if all(v is not None for v in t[key])), t["compute_ms"]) for step, t in timing_by_step.items()
+    }
+    uses_busy = any(all(v is not None for v in t["busy_ms"]) for t in timing_by_step.values())
+    unclocked = sorted({row["rank"] for row in rows if "runq_ms" in row and row["runq_ms"] is None}) if uses_busy else []
+    return straggler_audit(compute, factor, max_p, unclocked=unclocked)
 
 
 def parameter_outcomes(

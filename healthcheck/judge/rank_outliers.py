@@ -22,7 +22,13 @@ from healthcheck.judge.stats import binomial_tail, sign_test_p
 # --------------------------------------------------------------------------- stragglers
 
 
-def straggler_audit(compute_ms: Mapping[int, Sequence[float | None]], factor: float, max_p: float, skip_steps: int = 2) -> AuditOutcome:
+def straggler_audit(
+    compute_ms: Mapping[int, Sequence[float | None]],
+    factor: float,
+    max_p: float,
+    skip_steps: int = 2,
+    unclocked: Sequence[int] = (),
+) -> AuditOutcome:
     """Flag a rank persistently slower than the others: median and persistence, never a single step.
 
     Per step, each rank's step time is divided by the median of the *other* ranks' (so one slow
@@ -39,7 +45,24 @@ def straggler_audit(compute_ms: Mapping[int, Sequence[float | None]], factor: fl
         factor: Median slowdown that counts, e.g. 1.03 for 3% slower.
         max_p: Sign-test tail probability a straggler's count of slower steps must reach.
         skip_steps: First steps ignored (lazy initialisation, DDP's bucket rebuild).
+        unclocked: Ranks whose host ran more ranks than cores and gave no run-queue clock
+            (:mod:`healthcheck.measure.runqueue`). Their step time still holds the waits for a core, in
+            which a sleeping rank's delay mostly disappears, so the audit does not judge rather than pass.
+
+    >>> straggler_audit({s: [100.0] * 4 for s in range(20)}, 1.035, 1e-4, unclocked=[0, 1, 2, 3]).message[:40]
+    'not measured: ranks 0-3 share their host'
     """
+    if unclocked:
+        return AuditOutcome(
+            True,
+            f"not measured: {_who_shares(unclocked)} their host's cores with other ranks, and the host gives no "
+            "per-thread run-queue time (/proc/thread-self/schedstat), so a slow rank cannot be told from one waiting for "
+            "a core; run at most one rank per core to judge stragglers",
+            "unclocked",
+            (),
+            {"unclocked_ranks": sorted(unclocked)},
+            measured=False,
+        )
     ratios = straggler_ratios(compute_ms, skip_steps)
     if not ratios or sum(len(v) for v in ratios.values()) == 0:
         return AuditOutcome(True, "not measured: too few timed steps to judge stragglers", "insufficient", (), measured=False)
@@ -72,6 +95,15 @@ def straggler_audit(compute_ms: Mapping[int, Sequence[float | None]], factor: fl
         for r in flagged
     ]
     return AuditOutcome(False, "; ".join(parts) + f"; {rule}", f"slow {rank_span(flagged)}", tuple(flagged), details)
+
+
+def _who_shares(ranks: Sequence[int]) -> str:
+    """The sentence's subject and verb.
+
+    >>> _who_shares([3]), _who_shares([0, 1, 2])
+    ('rank 3 shares', 'ranks 0-2 share')
+    """
+    return f"rank {rank_span(ranks)} shares" if len(set(ranks)) == 1 else f"ranks {rank_span(ranks)} share"
 
 
 def straggler_ratios(compute_ms: Mapping[int, Sequence[float | None]], skip_steps: int = 2) -> dict[int, list[float]]:

@@ -135,6 +135,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             # On a host shared by more ranks than cores, the time this rank sat waiting for a core is not
             # its own slowness (measure/runqueue.py); on a GPU the wait is the device's, so nothing is read.
             self._queued_at_arrival = runqueue.read()
+            if self._cores_shared is None:
+                # Without a launcher's LOCAL_WORLD_SIZE (mp.spawn), count every rank as local: the safe side.
+                local = distributed.get_dist_info().local_world_size if distributed.launched_externally() else self._world
+                self._cores_shared = runqueue.cores_shared(local)
         if not self._sampling():
             return _plain_average(buffer, self._world, self._group)
         index = bucket.index()

@@ -69,6 +69,9 @@ class ConsistencyMonitor:
         # has busy_ms exclude the time its thread waited for a CPU in between.
         self._queued_at_release: tuple[int, float] | None = None
         self._queued_at_arrival: tuple[int, float] | None = None
+        # Whether this rank's host runs more ranks than it has cores; None for a monitor that reads no
+        # run-queue clock (a GPU, FSDP2's blame). When set, each step carries the ``runq_ms`` it subtracted.
+        self._cores_shared: bool | None = None
         # Per-index partial results of the current step. Each key is written by exactly one hook call
         # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
         self._sqnorm: dict[int, Any] = {}
@@ -129,6 +132,8 @@ class ConsistencyMonitor:
             # gradient piece: the rank's own work, without the waiting at the collectives.
             queued = runqueue.waited_between(queued_at_release, self._queued_at_arrival)
             extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - queued) * 1000)
+            if self._cores_shared is not None:
+                extras.setdefault("runq_ms", runqueue.wait_ms(queued_at_release, self._queued_at_arrival, self._cores_shared))
         try:
             inflight = self._launch(step, loss, tokens, extras)
         finally:

@@ -18,7 +18,10 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
     compute = extras.get("compute_ms") or [None] * world
     busy = extras.get("busy_ms") or [None] * world
     tokens = data.get("per_rank_tokens") or [None] * world
-    return [
+    # The run-queue wait busy_ms left out (DDP on a CPU host); None where the rank shares cores with other
+    # ranks and no clock was read, so busy_ms still holds it (measure/runqueue.py). Absent where not read.
+    runq = extras.get("runq_ms")
+    rows = [
         {
             "step": step,
             "rank": rank,
@@ -31,6 +34,10 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for rank, loss in enumerate(data["per_rank_loss"])
     ]
+    if runq is not None:
+        for row, value in zip(rows, runq, strict=True):
+            row["runq_ms"] = finite_or_none(value)
+    return rows
 
 
 def aggregate_row(step: int, data: dict[str, Any], lr: float | None = None) -> dict[str, Any]:

@@ -6,12 +6,16 @@ while another rank had the core. Only the last one is the host's doing. ``/proc/
 holds three numbers for the calling thread: ns on a CPU, ns waiting on a run queue, time slices. A
 6-process test on 2 cores: wall 1781 ms − run-queue 1150 ms = 631 ms = 580 ms of CPU + a 50 ms sleep.
 
-Where it cannot be read (not Linux, or a kernel without scheduler statistics) :func:`read` returns
-None and nothing is subtracted.
+Where it cannot be read (not Linux, a sandbox whose ``/proc`` lacks the file, or a kernel that keeps no
+scheduler statistics and prints ``0 0 0``) :func:`read` returns None and nothing is subtracted. On a host
+whose ranks share cores that leaves a sleeping rank's delay mostly hidden (the others use the cores it
+frees), so :func:`wait_ms` reports the gap as NaN and the stragglers audit says it could not judge.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from typing import Optional
 
@@ -28,9 +32,12 @@ def read() -> Optional[tuple[int, float]]:
     try:
         with open(_PATH, "rb") as handle:
             fields = handle.read().split()
-        return threading.get_ident(), int(fields[1]) / 1e9
+        on_cpu_ns, queued_ns, slices = int(fields[0]), int(fields[1]), int(fields[2])
     except (OSError, IndexError, ValueError):
         return None
+    if on_cpu_ns == queued_ns == slices == 0:  # the kernel keeps no statistics: a running thread has had a slice
+        return None
+    return threading.get_ident(), queued_ns / 1e9
 
 
 def waited_between(start: Optional[tuple[int, float]], end: Optional[tuple[int, float]]) -> float:
@@ -42,3 +49,32 @@ def waited_between(start: Optional[tuple[int, float]], end: Optional[tuple[int, 
     if start is None or end is None or start[0] != end[0]:
         return 0.0
     return max(0.0, end[1] - start[1])
+
+
+def wait_ms(start: Optional[tuple[int, float]], end: Optional[tuple[int, float]], cores_shared: bool) -> float:
+    """The run-queue wait subtracted from a rank's busy time, in ms: NaN where it was needed and not read.
+
+    It is needed where the rank's host runs more ranks than it has cores (``cores_shared``); elsewhere a
+    missing clock costs nothing and reads 0.
+
+    >>> wait_ms((7, 1.5), (7, 1.75), cores_shared=True), wait_ms(None, (7, 1.0), cores_shared=False)
+    (250.0, 0.0)
+    >>> math.isnan(wait_ms(None, (7, 1.0), cores_shared=True)), math.isnan(wait_ms((7, 1.0), (8, 2.0), cores_shared=True))
+    (True, True)
+    """
+    if start is not None and end is not None and start[0] == end[0]:
+        return waited_between(start, end) * 1000
+    return math.nan if cores_shared else 0.0
+
+
+def cores_shared(local_ranks: int) -> bool:
+    """Whether ``local_ranks`` ranks on this host outnumber the cores this process may run on.
+
+    >>> cores_shared(1), cores_shared(10_000)
+    (False, True)
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return local_ranks > cores

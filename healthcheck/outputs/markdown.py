@@ -56,6 +56,8 @@ def render_markdown(
             bold = "" if finding.passed else "**"
             out.append("| " + " | ".join(f"{bold}{_md(c)}{bold}" if c != "-" else c for c in check_cells) + " |")
         out += [""] + [f"- **{_md(f.check)}**: {_md(f.message + ranks_suffix(f))}" for f in verdict.failures]
+        # Why a check judged nothing: a CI reader must not take an unmeasured check for a pass.
+        out += [f"- {_md(f.check)}: {_md(f.message)}" for f in verdict.findings if not f.measured]
     if per_rank:
         marked = {(s.rank, s.metric) for s in standouts}
         out += ["", f"### Per-rank means over the window (steps ≥ {result.window_start_step})", ""]

@@ -119,6 +119,9 @@ def _print_checks(console: Console, verdict: Verdict, styles: dict[str, str], pl
     console.print(table)
     for finding in verdict.failures:
         console.print(Text(f"{glyphs.bullet} {finding.check}: {finding.message}{ranks_suffix(finding)}", style=styles["fail"]))
+    for finding in verdict.findings:
+        if not finding.measured:  # why it judged nothing: an unmeasured check is not a pass
+            console.print(Text(f"{glyphs.bullet} {finding.check}: {finding.message}", style=styles["dim"]))
 
 
 def _print_attribution(

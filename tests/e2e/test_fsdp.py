@@ -17,7 +17,7 @@ import pytest
 from tests.e2e.conftest import read_rows, run_cli
 from tests.e2e.test_script_mode import DATA, probe_args, tiny_llama  # noqa: F401 (tiny_llama is a fixture)
 
-STEPS = 6
+STEPS = 4
 pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not beside this checkout")
 
 

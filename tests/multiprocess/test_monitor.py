@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from healthcheck.measure import distributed
+from healthcheck.measure import distributed, runqueue
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
 
@@ -191,6 +191,11 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     # Busy time (previous reduction's end to this rank's last bucket) exists from the second step on.
     assert "busy_ms" not in measured[0].per_rank_extras or every > 1
     assert all(v > 0 for m in measured[1:] for v in m.per_rank_extras["busy_ms"])
+    # On a CPU host each such step carries the run-queue wait it left out: a number where the kernel gives the
+    # clock (measure/runqueue.py), NaN only where it does not and the ranks share cores.
+    clocked = runqueue.read() is not None
+    waits = [v for m in measured[1:] for v in m.per_rank_extras["runq_ms"]]
+    assert all(v >= 0 for v in waits) if clocked else all(v >= 0 or math.isnan(v) for v in waits), waits
     _check_close_restores_average(ddp, reference_model, monitor, dtype)
     return measured
 

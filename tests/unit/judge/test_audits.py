@@ -309,6 +309,14 @@ def test_too_few_steps_never_fail():
     assert straggler_audit(_timings(random.Random(4), steps=10, slow={1: 500}), *DEFAULT_RULE).passed
 
 
+def test_ranks_sharing_cores_without_a_run_queue_clock_are_not_judged_even_when_one_looks_slow():
+    # Their busy_ms still holds the waits for a core, which hide a sleeping rank: "ok" would be a false all-clear.
+    outcome = straggler_audit(_timings(random.Random(5), slow={3: 100}), *DEFAULT_RULE, unclocked=[0, 1, 2, 3, 5])
+    assert outcome.passed and not outcome.measured and outcome.ranks == ()
+    assert outcome.message.startswith("not measured: ranks 0-3,5 share their host's cores")
+    assert "run at most one rank per core" in outcome.message and outcome.details["unclocked_ranks"] == [0, 1, 2, 3, 5]
+
+
 # ----------------------------------------------------------------------------- rank outliers
 
 

@@ -31,6 +31,12 @@ def test_rank_rows_without_timings_or_tokens():
     assert all(r["tokens"] is None and r["compute_ms"] is None and r["busy_ms"] is None for r in rows)
 
 
+def test_rank_rows_carry_the_run_queue_wait_and_none_where_it_was_needed_but_unread():
+    rows = rank_rows(7, _metrics({"busy_ms": [7.0, 8.0], "runq_ms": [12.5, float("nan")]}))
+    assert [r["runq_ms"] for r in rows] == [12.5, None]
+    assert "runq_ms" not in rank_rows(7, _metrics({"busy_ms": [7.0, 8.0]}))[0]  # a monitor that reads no clock
+
+
 def test_aggregate_row_has_every_summarised_aggregate_and_stays_json_safe():
     row = aggregate_row(7, _metrics(loss=(1.0, float("nan"))), lr=1e-3)
     assert row["step"] == 7 and row["lr"] == 1e-3
