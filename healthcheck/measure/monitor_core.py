@@ -130,10 +130,10 @@ class ConsistencyMonitor:
         if previous_release is not None and self._arrived is not None:
             # From the end of the previous reduction (a moment every rank shares) to this rank's last
             # gradient piece: the rank's own work, without the waiting at the collectives.
-            queued = runqueue.waited_between(queued_at_release, self._queued_at_arrival)
-            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - queued) * 1000)
+            queued = runqueue.waited_between(queued_at_release, self._queued_at_arrival)  # None: no clock
+            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - (queued or 0.0)) * 1000)
             if self._cores_shared is not None:
-                extras.setdefault("runq_ms", runqueue.wait_ms(queued_at_release, self._queued_at_arrival, self._cores_shared))
+                extras.setdefault("runq_ms", runqueue.wait_ms(queued, self._cores_shared))
         try:
             inflight = self._launch(step, loss, tokens, extras)
         finally:

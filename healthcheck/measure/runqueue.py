@@ -40,30 +40,28 @@ def read() -> Optional[tuple[int, float]]:
     return threading.get_ident(), queued_ns / 1e9
 
 
-def waited_between(start: Optional[tuple[int, float]], end: Optional[tuple[int, float]]) -> float:
-    """Run-queue seconds from ``start`` to ``end``; 0 unless both come from the same thread.
+def waited_between(start: Optional[tuple[int, float]], end: Optional[tuple[int, float]]) -> Optional[float]:
+    """Run-queue seconds from ``start`` to ``end``; None unless both were read, on the same thread.
 
     >>> waited_between((7, 1.5), (7, 1.75)), waited_between((7, 1.5), (8, 9.0)), waited_between(None, (7, 1.0))
-    (0.25, 0.0, 0.0)
+    (0.25, None, None)
     """
     if start is None or end is None or start[0] != end[0]:
-        return 0.0
+        return None
     return max(0.0, end[1] - start[1])
 
 
-def wait_ms(start: Optional[tuple[int, float]], end: Optional[tuple[int, float]], cores_shared: bool) -> float:
+def wait_ms(waited_s: Optional[float], cores_shared: bool) -> float:
     """The run-queue wait subtracted from a rank's busy time, in ms: NaN where it was needed and not read.
 
     It is needed where the rank's host runs more ranks than it has cores (``cores_shared``); elsewhere a
     missing clock costs nothing and reads 0.
 
-    >>> wait_ms((7, 1.5), (7, 1.75), cores_shared=True), wait_ms(None, (7, 1.0), cores_shared=False)
-    (250.0, 0.0)
-    >>> math.isnan(wait_ms(None, (7, 1.0), cores_shared=True)), math.isnan(wait_ms((7, 1.0), (8, 2.0), cores_shared=True))
-    (True, True)
+    >>> wait_ms(0.25, cores_shared=True), wait_ms(None, cores_shared=False), math.isnan(wait_ms(None, cores_shared=True))
+    (250.0, 0.0, True)
     """
-    if start is not None and end is not None and start[0] == end[0]:
-        return waited_between(start, end) * 1000
+    if waited_s is not None:
+        return waited_s * 1000
     return math.nan if cores_shared else 0.0
 
 

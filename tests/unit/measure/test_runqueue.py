@@ -26,9 +26,10 @@ def test_a_kernel_without_scheduler_statistics_reads_as_no_clock(tmp_path, monke
 
 
 def test_a_missing_clock_matters_only_where_ranks_share_cores():
-    assert math.isnan(runqueue.wait_ms(None, None, cores_shared=True))
-    assert runqueue.wait_ms(None, None, cores_shared=False) == 0.0
-    assert abs(runqueue.wait_ms((1, 2.0), (1, 2.004), cores_shared=True) - 4.0) < 1e-9
+    assert math.isnan(runqueue.wait_ms(runqueue.waited_between(None, None), cores_shared=True))
+    assert math.isnan(runqueue.wait_ms(runqueue.waited_between((1, 2.0), (2, 2.004)), cores_shared=True))  # two threads
+    assert runqueue.wait_ms(runqueue.waited_between(None, None), cores_shared=False) == 0.0
+    assert abs(runqueue.wait_ms(runqueue.waited_between((1, 2.0), (1, 2.004)), cores_shared=True) - 4.0) < 1e-9
 
 
 def test_cores_shared_compares_local_ranks_with_usable_cores(monkeypatch):
