@@ -26,8 +26,10 @@ The first of ``--models`` runs at every ``--nproc``; the others run at ``--scali
 (default: the largest ``--nproc``) with ``--scaling-steps`` steps, to show how the overhead
 scales with model size.
 
-``--modes hook-only`` adds an ablation arm: sketch mode's comm hook without the per-step gather, which
-splits the sketch arm's cost between the hook's arithmetic and the gather.
+``--modes hook-only`` adds an ablation arm: sketch mode's comm hook without the per-step exchange, which
+splits the sketch arm's cost between the hook's arithmetic and the exchange. ``--modes sketch-carry``
+adds another: sketch mode with ``exchange="carry"``, each step's rows riding on the next step's gradient
+all-reduce instead of an all-gather of their own, to measure what that saves.
 
 ``--models harness-llama`` rebuilds the independent harness of issue 13: a 2-layer
 ``LlamaForCausalLM`` (hidden 128, vocab 512) on random micro-batches of 4 x 128 tokens::
@@ -54,6 +56,9 @@ HARNESS_BATCH, HARNESS_TOKENS, HARNESS_VOCAB = 4, 128, 512
 MODES = ("sketch", "exact")
 #: Not a monitor mode: sketch mode's comm hook without the per-step gather (an ablation; ``--modes hook-only``).
 HOOK_ONLY = "hook-only"
+#: Not a monitor mode either: sketch mode with ``exchange="carry"`` (``--modes sketch-carry``).
+SKETCH_CARRY = "sketch-carry"
+ABLATIONS = (HOOK_ONLY, SKETCH_CARRY)
 SKETCH_DIM = 4096
 BOOTSTRAP_RESAMPLES = 2000
 #: Distinct step batches the measured rounds cycle through.
@@ -122,8 +127,10 @@ class Arm:
             # Passed only when asked for, so the script also runs against a monitor without the option.
             options = {"reduction_every": setting.reduction_every} if setting.reduction_every else {}
             monitor_class = _HookOnlyMonitor() if mode == HOOK_ONLY else WorkerConsistencyMonitor
+            if mode == SKETCH_CARRY:
+                options = {**options, "exchange": "carry"}
             self.monitor = monitor_class(
-                self.ddp, direction="sketch" if mode == HOOK_ONLY else mode, sketch_dim=setting.sketch_dim,
+                self.ddp, direction="sketch" if mode in ABLATIONS else mode, sketch_dim=setting.sketch_dim,
                 every=setting.every, seed=self.train.seed, **options,
             )
         # Constant learning rate: a scheduler is the same Python bookkeeping in every arm.
@@ -359,8 +366,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8], help="world sizes for the first model")
     parser.add_argument("--models", nargs="+", default=["tiny-gpt2", "small-gpt2"], help="presets; the first is the default probe's")
-    parser.add_argument("--modes", nargs="+", choices=(*MODES, HOOK_ONLY), default=list(MODES),
-                        help=f"monitor directions to measure ({HOOK_ONLY}: sketch mode's hook without the gather)")
+    parser.add_argument("--modes", nargs="+", choices=(*MODES, *ABLATIONS), default=list(MODES),
+                        help=f"monitor directions to measure ({HOOK_ONLY}: sketch mode's hook without the exchange; "
+                             f"{SKETCH_CARRY}: sketch mode with exchange='carry')")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per arm (rounded up to whole blocks)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before measuring")
     parser.add_argument("--block", type=int, default=2, help="consecutive steps an arm runs before the next arm's turn")

@@ -10,9 +10,12 @@ bucket, before the all-reduce, the hook still sees this rank's own (undivided, a
   which is the tensor DDP copies into ``.grad``. So cosine-to-mean is exact in both modes
   without keeping a full-size copy of the gradient.
 
-``end_step`` then packs everything into one vector and does ONE ``all_gather_rows`` per sampled
-step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64),
-converts to Python floats once and hands the numbers to
+``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
+step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With
+``exchange="carry"`` (sketch mode, ``overlap``) no collective of its own exchanges it: each rank's vector
+rides in its own slot of a block appended to the next step's last gradient bucket, whose SUM all-reduce
+hands every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes in
+:meth:`~WorkerConsistencyMonitor.flush`). The rows are converted to Python floats once and handed to
 :func:`healthcheck.measure.metrics.compute_step_metrics`.
 
 The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module states the error bound:
@@ -53,7 +56,10 @@ from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum
 from healthcheck.measure.precision import dot_fp32
 from healthcheck.measure.step_gather import InFlight
 
-__all__ = ["DIRECTIONS", "WorkerConsistencyMonitor"]
+__all__ = ["DIRECTIONS", "EXCHANGES", "WorkerConsistencyMonitor"]
+
+#: How a step's numbers reach the other ranks (``WorkerConsistencyMonitor(exchange=...)``).
+EXCHANGES = ("gather", "carry")
 
 
 class WorkerConsistencyMonitor(ConsistencyMonitor):
@@ -73,6 +79,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         process_group: Group to reduce and gather over; defaults to the model's.
         overlap: Gather each step's numbers asynchronously and read them one step later (see
             :meth:`end_step` and :mod:`healthcheck.measure.step_gather`); False: at once.
+        exchange: How a step's numbers reach the other ranks with ``overlap`` in sketch mode: "gather" (an
+            all-gather of their own) or "carry" (inside the next step's last gradient all-reduce: no extra
+            collective, but a rank that fails before that all-reduce takes the step's numbers with it; see
+            :meth:`_carry`).
         **fsdp_options: FSDP2 only (:class:`~healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`).
 
     Raises:
@@ -101,6 +111,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         reduction_every: int = 0,
         process_group: Any = None,
         overlap: bool = True,
+        exchange: str = "gather",
     ):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -121,9 +132,15 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             group=process_group if process_group is not None else model.process_group,
             dims=[d for p in model.parameters() for d in p.shape],
         )
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+        if exchange == "carry" and not (direction == "sketch" and overlap):
+            raise ValueError("exchange='carry' needs direction='sketch' and overlap=True (the rows ride a step later)")
+        self.exchange = exchange
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
+        self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         model.register_comm_hook(state=self, hook=_consistency_hook)
 
     # ----------------------------------------------------------------------- hook side
@@ -139,13 +156,18 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
                 # Without a launcher's LOCAL_WORLD_SIZE (mp.spawn), count every rank as local: the safe side.
                 local = distributed.get_dist_info().local_world_size if distributed.launched_externally() else self._world
                 self._cores_shared = runqueue.cores_shared(local)
-        if not self._sampling():
+        # The previous sampled step's numbers ride on this step's last all-reduce (see _carry).
+        carry = self._carry(buffer) if self.exchange == "carry" and bucket.is_last() else None
+        sampling = self._sampling()
+        if not sampling and carry is None:
             return _plain_average(buffer, self._world, self._group)
         index = bucket.index()
         # Out of place: `buffer` must stay the local gradient until the callback below has
         # taken its dot product with the mean.
-        reduced = self._reduce_target(index, buffer)
+        reduced = self._reduce_target(index, buffer, carry)
         future = distributed.all_reduce_async(reduced, self._group)
+        if not sampling:
+            return future.then(functools.partial(self._unload, buffer.numel()))
         # The local work below overlaps with the all-reduce already in flight.
         self._sqnorm[index] = dot_fp32(buffer, buffer)
         if self.direction == "exact" or self._checking_reduction():
@@ -153,13 +175,41 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             # local gradient is kept as a copy (sketch mode pays this on reduction-check steps only).
             self._local_copy[index] = buffer.clone()
         if self.direction == "exact":
-            return future.then(functools.partial(self._keep_reduced, index))
+            return future.then(functools.partial(self._keep_reduced, index, numel=buffer.numel()))
         assert self._sketcher is not None
         self._sketch[index] = self._sketcher(index, buffer)
         return future.then(functools.partial(self._after_reduce, index, buffer))
 
-    def _reduce_target(self, index: int, buffer: Any) -> Any:
-        """``buffer / world`` in a new tensor, which the all-reduce sums in place and DDP copies into ``.grad``.
+    def _carry(self, buffer: Any) -> Any:
+        """This rank's row of the previous sampled step, to ride on the all-reduce of ``buffer``; None if none waits.
+
+        Why: a step's numbers need an exchange between ranks, and a collective of their own costs every rank
+        a round of messages and wake-ups even when asynchronous (on 8 gloo ranks sharing 2 cores, ~3 ms of CPU
+        a rank and step, a few percent of a small model's step). DDP's last bucket of the next step is all-reduced
+        anyway: each rank writes its row into its own slot of a ``[world, width]`` block appended to the bucket,
+        the other slots are zero, and the SUM hands every rank all the rows. That step is a step later, as the
+        asynchronous gather was. A bucket that is not fp32/fp64 cannot hold the rows exactly: the row then goes
+        in an all-gather of its own, started here, at the same point on every rank.
+
+        Not the default: on the issue-13 harness (8 gloo ranks, 2 cores) it saved nothing measurable (1.053
+        against 1.062 in one interleaved run, 1.069 against 1.064 in another; README), and a rank that fails before the
+        next step's last all-reduce takes the step's numbers with it, where an all-gather started at
+        ``end_step`` still completes (README, Reliability). On a GPU an extra NCCL all-gather is a stream launch.
+        """
+        import torch
+
+        inflight = self._inflight
+        if inflight is None or not step_gather.awaiting_carrier(inflight):
+            return None
+        if buffer.dtype not in (torch.float32, torch.float64):
+            step_gather.start_gather(inflight, self._group)
+            return None
+        self._carried = inflight
+        return step_gather.carried_row(inflight, buffer.dtype).to(buffer.device)
+
+    def _reduce_target(self, index: int, buffer: Any, carry: Any = None) -> Any:
+        """``buffer / world`` in a new tensor, which the all-reduce sums in place and DDP copies into ``.grad``;
+        with ``carry``, followed by the ``[world, width]`` block holding this rank's row in its slot (see _carry).
 
         On the host it is one kept buffer per bucket: a fresh multi-MiB tensor per bucket and step cost the
         allocator more than the division (measured: 322 µs against 132 µs a step for the two buckets of a
@@ -168,15 +218,34 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         """
         import torch
 
-        if buffer.device.type != "cpu":
-            return buffer / self._world
-        kept = self._host_targets.get(index)
-        if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
-            kept = self._host_targets[index] = torch.empty_like(buffer)
-        return torch.div(buffer, self._world, out=kept)
+        n = buffer.numel()
+        size = n if carry is None else n + self._world * carry.numel()
+        kept = self._host_targets.get(index) if buffer.device.type == "cpu" else None
+        if kept is not None and kept.numel() >= size and kept.dtype == buffer.dtype:
+            target = kept[:size]  # with every > 1 the last bucket carries on some steps only: no reallocation
+        else:
+            target = torch.empty(size, dtype=buffer.dtype, device=buffer.device)
+            if buffer.device.type == "cpu":
+                self._host_targets[index] = target
+        torch.div(buffer, self._world, out=target[:n])
+        if carry is not None:
+            target[n:].zero_()
+            width = carry.numel()
+            target[n + self._rank * width : n + (self._rank + 1) * width] = carry
+        return target
+
+    def _unload(self, numel: int, future: Any) -> Any:
+        """The all-reduced bucket, after taking out the rows it carried (if any)."""
+        reduced = future.value()[0]
+        if reduced.numel() == numel:
+            return reduced
+        carried, self._carried = self._carried, None
+        assert carried is not None
+        step_gather.receive_carried(carried, reduced[numel:].view(self._world, -1))
+        return reduced[:numel]
 
     def _after_reduce(self, index: int, local: Any, future: Any) -> Any:
-        reduced = self._keep_reduced(index, future)
+        reduced = self._keep_reduced(index, future, local.numel())
         self._dot[index] = dot_fp32(local, reduced)
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
         width = -(-reduced.numel() // self._world)
@@ -184,13 +253,34 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._mean_sqnorm[index] = dot_fp32(own, own)
         return reduced  # DDP copies the returned tensor into the gradients
 
-    def _keep_reduced(self, index: int, future: Any) -> Any:
-        reduced = future.value()[0]
+    def _keep_reduced(self, index: int, future: Any, numel: int) -> Any:
+        reduced = self._unload(numel, future)
         if self._checking_reduction():
             self._reduced[index] = reduced
         return reduced
 
     # ----------------------------------------------------------------------- step side
+
+    def _gather(self, step: int, indices: list[int], **pieces: Any) -> InFlight:
+        """With ``exchange="carry"``, the step's vector waits for the next step's last all-reduce
+        (:meth:`_carry`) instead of a collective of its own; otherwise as every monitor gathers."""
+        if self.exchange != "carry":
+            return super()._gather(step, indices, **pieces)
+        return step_gather.launch(
+            step=step, direction=self.direction, group=self._group, world=self._world, buckets=len(indices), carried=True, **pieces
+        )
+
+    def flush(self, timeout_s: float | None = None) -> Any:
+        """As :meth:`ConsistencyMonitor.flush`; a step still waiting for an all-reduce to carry it is gathered
+        now (a collective: every rank calls ``flush``). With ``timeout_s`` (a failure path) it is dropped
+        instead: a peer may sit in another collective, which a new gather must not meet."""
+        inflight = self._inflight
+        if inflight is not None and step_gather.awaiting_carrier(inflight):
+            if timeout_s is not None:
+                self._inflight = None
+                return None
+            step_gather.start_gather(inflight, self._group)
+        return super().flush(timeout_s)
 
     def _reduction_extras(self, indices: list[int]) -> dict[str, float]:
         return self._stream(indices, gram=False, reduction=True)[1]

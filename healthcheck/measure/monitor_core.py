@@ -146,9 +146,10 @@ class ConsistencyMonitor:
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
 
-        Every rank calls it once after the last ``end_step`` (it only waits: no new collective). On a
-        failure path pass ``timeout_s``: a gather that has not finished by then (a peer died before
-        contributing) is dropped and None returned, instead of waiting for the process group's timeout.
+        Every rank calls it once after the last ``end_step``: a collective where the last step's numbers were
+        waiting to ride on a next step's all-reduce (DDP, sketch mode), else it only waits. On a failure path
+        pass ``timeout_s``: a gather that has not finished by then (a peer died before contributing) is dropped
+        and None returned, instead of waiting for the process group's timeout; a step not yet sent is dropped.
         """
         inflight, self._inflight = self._inflight, None
         if inflight is None:

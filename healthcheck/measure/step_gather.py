@@ -27,6 +27,8 @@ HEADER = ("loss", "tokens", "sqnorm", "dot", "mean_sqnorm", "nonfinite", "loss_m
 _COLUMN = {name: index for index, name in enumerate(HEADER)}
 #: How long closing a monitor, or a failure path, waits for a gather still in flight before dropping it.
 CLOSE_WAIT_S = 2.0
+#: Parts a carried header value is split into (:func:`carried_row`).
+CARRY_PARTS = 3
 
 
 @dataclasses.dataclass
@@ -46,6 +48,8 @@ class InFlight:
     #: header), "cosine" the cosine to the mean (norms stay exact), "all" norms, dots and ‖ḡ‖² too.
     from_gram: str = ""
     source: Any = None  #: this rank's packed vector, kept alive while the collective may still read it
+    #: ``rows`` came in a gradient all-reduce, in :func:`carried_row`'s layout (decoded by :func:`complete`).
+    carried: bool = False
 
 
 def pack(
@@ -142,15 +146,20 @@ def launch(
     buckets: int = 0,
     overlap: bool = True,
     from_gram: str = "",
+    carried: bool = False,
 ) -> InFlight:
     """Pack this rank's pieces (0-d device tensors or numbers; ``loss`` None = not measured) and gather them.
 
     In exact mode pass ``gram`` (and zeros for ``dot``/``mean_sqnorm``: they are read off the Gram);
     in sketch mode pass ``sketch``. A collective: every rank calls it with the same extras' keys.
     ``from_gram``: see :attr:`InFlight.from_gram` (exact mode always reads everything off its Gram).
+    ``carried``: start no collective; the caller sends the vector later, inside a gradient all-reduce
+    (:func:`carried_row`, :func:`receive_carried`) or, when none comes, with :func:`start_gather`.
     """
     flat, names = pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=dot, mean_sqnorm=mean_sqnorm, extras=extras, sketch=sketch)
-    if overlap:
+    if carried:
+        work, rows = None, None
+    elif overlap:
         work, rows = distributed.all_gather_rows_async(flat, group)
     else:
         work, rows = None, distributed.all_gather_rows(flat, group)
@@ -167,6 +176,80 @@ def launch(
         sketch_dim=0 if sketch is None else sketch.numel(),
         from_gram="all" if gram is not None else from_gram,
     )
+
+
+def awaiting_carrier(inflight: InFlight) -> bool:
+    """Whether the step was launched ``carried`` and nothing has sent its vector yet."""
+    return inflight.work is None and inflight.rows is None
+
+
+def start_gather(inflight: InFlight, group: Any) -> None:
+    """Send a carried step's vector with an all-gather of its own (asynchronous; :func:`complete` waits)."""
+    inflight.work, inflight.rows = distributed.all_gather_rows_async(inflight.source, group)
+
+
+def carried_row(inflight: InFlight, dtype: Any) -> Any:
+    """This rank's vector as values of ``dtype`` (fp32 or fp64) that a SUM all-reduce over zeros returns unchanged.
+
+    The packed vector cannot travel as raw bits in a float all-reduce: adding zeros may quiet a NaN
+    payload or flush a denormal. So each header value goes as ``frexp``'s mantissa, split into three
+    parts of ``dtype`` (3 x 24 bits hold fp64's 53; a mantissa in [0.5, 1) neither overflows nor
+    underflows fp32), and its exponent; the sketch, fp32 already, goes as values. Layout:
+    ``[part 1, part 2, part 3, exponent (width each), sketch (dim)]``; :func:`receive_carried` keeps the
+    rows and :func:`complete` decodes them (:func:`decode_header`).
+    """
+    import torch
+
+    width = len(HEADER) + len(inflight.names)
+    flat = inflight.source
+    mantissa, exponent = torch.frexp(flat[:width])
+    rest, parts = mantissa, []
+    for _ in range(CARRY_PARTS):
+        part = rest.to(dtype)
+        parts.append(part)
+        # inf - inf is NaN: a non-finite value travels whole in its first part.
+        rest = torch.where(torch.isfinite(part), rest - part.to(torch.float64), 0.0)
+    sketch = flat[width:].view(torch.float32)[: inflight.sketch_dim].to(dtype)
+    return torch.cat([*parts, exponent.to(dtype), sketch])
+
+
+def carried_width(inflight: InFlight) -> int:
+    """Elements of one rank's :func:`carried_row`."""
+    return (CARRY_PARTS + 1) * (len(HEADER) + len(inflight.names)) + inflight.sketch_dim
+
+
+def receive_carried(inflight: InFlight, rows: Any) -> None:
+    """Keep the step's ``[world, carried_width]`` rows from the all-reduce that carried them (a copy: the
+    all-reduce's buffer is reused); :func:`complete` decodes them."""
+    inflight.rows = rows.clone()
+    inflight.carried = True
+    inflight.source = None
+
+
+def decode_header(rows: list[list[float]], width: int) -> list[list[float]]:
+    """The float64 header values from carried rows (lists of floats, ``(CARRY_PARTS + 1) * width`` long).
+
+    >>> import torch
+    >>> inflight = launch(step=0, direction="sketch", group=None, world=1, loss=1 / 3, tokens=7,
+    ...                   sqnorm=torch.tensor(1e300, dtype=torch.float64), dot=float("inf"), mean_sqnorm=5e-324,
+    ...                   extras={}, sketch=torch.tensor([0.5, -2.0]), carried=True)
+    >>> row = carried_row(inflight, torch.float32)
+    >>> decode_header([row.tolist()], len(HEADER))[0][:5]
+    [0.3333333333333333, 7.0, 1e+300, inf, 5e-324]
+    """
+    out = []
+    for row in rows:
+        values = []
+        for j in range(width):
+            first = row[j]
+            if not math.isfinite(first):
+                values.append(first)
+                continue
+            # Each partial sum is exact: the parts cover disjoint bits of a 53-bit mantissa.
+            mantissa = first + (row[width + j] + row[2 * width + j])
+            values.append(math.ldexp(mantissa, int(row[CARRY_PARTS * width + j])))
+        out.append(values)
+    return out
 
 
 def gathered(*, step: int, direction: str, world: int, rows: Any, names: list[str], gram: Any = None, buckets: int = 0) -> InFlight:
@@ -217,17 +300,24 @@ def finished_within(inflight: InFlight, timeout_s: float) -> bool:
 
 def complete(inflight: InFlight) -> StepMetrics:
     """Wait for the gather (if it still runs), do the step's one host sync, compute its metrics."""
+    import torch
+
     if inflight.work is not None:
         inflight.work.wait()
         inflight.work = inflight.source = None
+    if inflight.rows is None:
+        raise RuntimeError(
+            f"step {inflight.step}: its numbers were never exchanged (no gradient all-reduce carried them, and no flush)"
+        )
     width = len(HEADER) + len(inflight.names)
     rows = inflight.rows
-    if inflight.gram is not None:
-        gram = inflight.gram
+    if inflight.carried:
+        sketches = rows[:, (CARRY_PARTS + 1) * width :].to(torch.float64)
+        values = decode_header(rows[:, : (CARRY_PARTS + 1) * width].cpu().tolist(), width)
     else:
-        sketches = unpack_sketches(rows, width, inflight.sketch_dim)
-        gram = sketches @ sketches.T
-    values = rows[:, :width].cpu().tolist()
+        sketches = None if inflight.gram is not None else unpack_sketches(rows, width, inflight.sketch_dim)
+        values = rows[:, :width].cpu().tolist()
+    gram = inflight.gram if inflight.gram is not None else sketches @ sketches.T
     gram_rows = gram.cpu().tolist()
 
     def column(name: str) -> list[float]:

@@ -180,6 +180,11 @@ def _worker():
             results["refused"] = ""
         except InvalidInput as exc:  # a plain RuntimeError (a crash) would fail the test
             results["refused"] = str(exc)
+        try:  # FSDP2 reduce-scatters: no all-reduce could carry the step's numbers
+            WorkerConsistencyMonitor(_sharded(), exchange="carry")
+            results["carry"] = ""
+        except ValueError as exc:
+            results["carry"] = str(exc)
         return results if distributed.rank() == 0 else None
     finally:
         distributed.destroy_distributed()
@@ -224,3 +229,7 @@ def test_metrics_match_the_float64_reference(outcome, case):
 
 def test_exact_mode_refuses_per_microbatch_reduce_scatters_without_the_flag(outcome):
     assert "reduce_scatter_every_microbatch=True" in outcome["refused"]
+
+
+def test_carrying_the_rows_in_an_all_reduce_is_refused(outcome):
+    assert "FSDP2 gathers each step's numbers (exchange='gather'), got 'carry'" in outcome["carry"]

@@ -138,16 +138,17 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
 
 
 def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
-                  overlap: bool = False) -> list:
+                  overlap: bool = False, exchange: str = "gather") -> list:
     """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
-    every one is checked against the reference kept from its own step.
+    every one is checked against the reference kept from its own step. With ``exchange="carry"`` they
+    ride on the next step's last all-reduce instead of a gather.
     """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
     monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7,
-                                       overlap=overlap)
+                                       overlap=overlap, exchange=exchange)
     bf16 = dtype == torch.bfloat16
     references: dict[int, tuple] = {}
     measured: list = []
@@ -162,6 +163,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         _check_against_reference(m, grads, losses, [10 + 3 * r for r in range(n)], direction == "exact", mean_rel)
         measured.append(m)
 
+    gathers = _count_step_gathers()
     for step in range(steps):
         loss, local = _train_step(ddp, reference_model, step, accum, dtype)
         tokens = 10 + 3 * rank
@@ -184,6 +186,13 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         check(last)
     else:
         assert last is None
+    if overlap and direction == "sketch":
+        # Carried, an fp32 bucket takes each step's rows to every rank, so the only gather of their own is
+        # the last step's, in flush(); a bf16 bucket cannot hold them exactly: every sampled step has one.
+        expected = 1 if exchange == "carry" and dtype == torch.float32 else len(measured)
+        assert gathers.restore() == expected, f"{gathers.count} all-gathers of step rows, expected {expected}"
+    else:
+        gathers.restore()
     assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references
     assert measured[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {measured[-1].buckets}"
     # Guards the scenario itself: the bucket layout must change between the first and a later step.
@@ -198,6 +207,24 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     assert all(v >= 0 for v in waits) if clocked else all(v >= 0 or math.isnan(v) for v in waits), waits
     _check_close_restores_average(ddp, reference_model, monitor, dtype)
     return measured
+
+
+class _count_step_gathers:
+    """Counts the all-gathers a monitor starts for its step rows, until ``restore()``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._original = distributed.all_gather_rows_async
+
+        def counting(tensor, group=None):
+            self.count += 1
+            return self._original(tensor, group)
+
+        distributed.all_gather_rows_async = counting
+
+    def restore(self) -> int:
+        distributed.all_gather_rows_async = self._original
+        return self.count
 
 
 def _check_close_restores_average(ddp, reference_model, monitor, dtype) -> None:
@@ -239,9 +266,12 @@ def _check_nonfinite() -> None:
 
 def _check_bad_arguments() -> None:
     ddp, _ = _make_ddp(torch.float32, False)
-    for field, value in (("direction", "dense"), ("sketch_dim", 0), ("every", 0), ("exact_chunk_numel", -1)):
+    for field, value in (("direction", "dense"), ("sketch_dim", 0), ("every", 0), ("exact_chunk_numel", -1), ("exchange", "push")):
         with pytest.raises(ValueError, match=field):
             WorkerConsistencyMonitor(ddp, **{field: value})
+    for options in ({"direction": "exact"}, {"overlap": False}):
+        with pytest.raises(ValueError, match="exchange='carry' needs direction='sketch' and overlap=True"):
+            WorkerConsistencyMonitor(ddp, exchange="carry", **options)
 
 
 def _four_rank_worker() -> None:
@@ -252,9 +282,10 @@ def _four_rank_worker() -> None:
         _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3)
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2)
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True)
+        _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True, exchange="carry")
         _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True)
         _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2)
-        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True)
+        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True, exchange="carry")
         _check_nonfinite()
     finally:
         distributed.destroy_distributed()
@@ -265,7 +296,7 @@ def _eight_rank_worker() -> None:
     distributed.init_distributed("cpu", "gloo", 120)
     try:
         _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
-        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True)
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="carry")
     finally:
         distributed.destroy_distributed()
 

@@ -27,6 +27,7 @@ def test_cli_defaults_cover_the_matrix(overhead):
         ("tiny-gpt2", 2), ("tiny-gpt2", 4), ("tiny-gpt2", 8), ("small-gpt2", 8),
     ]
     assert set(args.modes) == {"sketch", "exact"}
+    assert overhead.parse_args(["--modes", "hook-only", "sketch-carry"]).modes == ["hook-only", "sketch-carry"]
 
 
 @pytest.mark.multiprocess
