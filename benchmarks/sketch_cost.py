@@ -5,12 +5,14 @@ spirit: an int32 bin index per gradient element drawn once per bucket layout and
 (4 bytes of state per parameter), then ``index_add_`` of every element into 2k bins.
 ``before-cold`` is the same sketch when its cache misses (DDP's bucket rebuild, or a model too
 big to cache 4 bytes per parameter), i.e. drawing the bins again. ``after`` is
-:class:`healthcheck.measure.sketch.FoldedSketch`: no per-element state, one multiply by a
-constant sign table and a strided reduction per chunk.
+:class:`healthcheck.measure.sketch.FoldedSketch`: no per-element state, a multiply-add per fold
+row with a one-segment sign table, and one add per segment.
 
 Every figure is the median of ``--repeats`` timed calls after one warm-up, on one CPU thread
 (``torch.set_num_threads(1)``, as a monitored rank on an oversubscribed host gets), fp32
-buckets of the sizes given. Columns: ns per element, and the per-parameter state each keeps.
+buckets of the sizes given. ``cold`` columns write a 64 MiB buffer before each call, as a training
+step's activations do between two hooks, so the caches hold neither the bucket nor any table: the
+case a comm hook meets. Columns: ns per element, and the per-parameter state each keeps.
 
     python benchmarks/sketch_cost.py --sizes 1000000 6553600 --k 4096 --repeats 7
 """
@@ -49,10 +51,12 @@ class CountSketchBefore:
         return counts[: self.k] - counts[self.k :]
 
 
-def _median_ns_per_element(fn: Callable[[], Any], numel: int, repeats: int) -> float:
+def _median_ns_per_element(fn: Callable[[], Any], numel: int, repeats: int, evict: Any = None) -> float:
     fn()  # warm-up: caches, sign table, allocator
     times = []
     for _ in range(repeats):
+        if evict is not None:
+            evict.add_(1.0)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -75,15 +79,28 @@ def main() -> None:
     before = CountSketchBefore(args.k, seed=0)
     after = FoldedSketch(args.k, seed=0)
     print(f"torch {torch.__version__}, {args.threads} thread(s), k={args.k} (folded sketch uses p={after.dim})")
-    print("| bucket elements | before ns/elem | before-cold ns/elem | after ns/elem | after/before | state before | state after |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    table_kib = 4 * after_table_length(args.k) / 1024
+    evict = torch.zeros(16 << 20)  # 64 MiB, twice the largest last-level cache this runs on
+    print("| bucket elements | before ns/elem | before, bins drawn again | before, cold caches | after ns/elem "
+          "| after, cold caches | after/before (warm, cold) | state before | state after |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for numel in args.sizes:
         buffer = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
         warm = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats)
-        cold = _median_ns_per_element(lambda b=buffer: before(1, b, cached=False), numel, args.repeats)
+        drawn = _median_ns_per_element(lambda b=buffer: before(1, b, cached=False), numel, args.repeats)
+        cold = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats, evict)
         folded = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats)
-        print(f"| {numel:,} | {warm:.2f} | {cold:.2f} | {folded:.2f} | {folded / warm:.2f} | "
-              f"{4 * numel / 2**20:.1f} MiB | 0 (8 MiB sign table, any model) |")
+        folded_cold = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats, evict)
+        print(f"| {numel:,} | {warm:.2f} | {drawn:.2f} | {cold:.2f} | {folded:.2f} | {folded_cold:.2f} | "
+              f"{folded / warm:.2f}, {folded_cold / cold:.2f} | {4 * numel / 2**20:.1f} MiB | "
+              f"0 ({table_kib:.0f} KiB sign table, any model) |")
+
+
+def after_table_length(k: int) -> int:
+    """Entries of the folded sketch's sign table for a requested k (one segment: m*p)."""
+    from healthcheck.measure.sketch import get_layout, safe_sketch_size
+
+    return get_layout(safe_sketch_size(k, ())).L
 
 
 if __name__ == "__main__":

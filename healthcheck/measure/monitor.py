@@ -26,7 +26,7 @@ multiple of ``every``) every k-th step also keeps each bucket's local gradient a
 result for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and
 ``reduction_bound_ratio``.
 
-Memory: sketch mode keeps no per-parameter state on a GPU (an 8 MB sign table whatever the model; each
+Memory: sketch mode keeps no per-parameter state on a GPU (a 256 KB sign table whatever the model; each
 bucket's all-reduce target is allocated per step, which the caching allocator makes free). On the host it
 keeps each bucket's all-reduce target between steps (one gradient's worth), since a fresh one cost more
 than the division. Exact mode holds a copy of the local gradient between the hook and ``end_step`` plus

@@ -4,49 +4,55 @@ Each data-parallel rank sketches its local gradient g_i to S g_i in R^p (p the l
 or a smaller prime that divides no tensor dimension: :func:`safe_sketch_size`); the sketches are
 all-gathered and cos_ij ~ <S g_i, S g_j> / (|S g_i| |S g_j|). S is a count sketch (every element goes
 to one bin with a random sign) with structure, so that it keeps **no per-parameter state** and runs as
-reshape + elementwise + reduction, with no scatter and no atomics:
+reshape + multiply-add + a few row adds, with no scatter and no atomics:
 
     p  = bins (the sketch length)     a segment is L = m*p consecutive elements
-    m  = fold depth                   a chunk is T = G*L consecutive elements (~2**20)
+    m  = fold depth                   a chunk is T = G*L consecutive elements (G <= p segments)
 
-An element at bucket position i lies in chunk c = i // T, at chunk position t = i % T, in segment
-g = t // L, and goes to
+An element at bucket position i lies in chunk c = i // T, in segment g = (i % T) // L, at segment
+position u = i % L, and goes to
 
-    bin(i)  = (t mod p + r_{c,g}) mod p,   r_{c,g} = (a_c*g + b_c) mod p
-    sign(i) = eps_c * tau[(o_c + t) mod T]
+    bin(i)  = (u mod p + r_{c,g}) mod p,   r_{c,g} = (a_c*g + b_c) mod p
+    sign(i) = eps_{c,g} * tau[u]
 
-with tau a random +-1 table of length T (a function of the seed only: 8 MB whatever the model), and
-(o_c, eps_c, a_c, b_c) hashed from (seed, bucket, c). One chunk costs one multiply and one
-reduction, plus a rotate-and-add on T/m elements::
+with tau a random +-1 table of length L (a function of the seed only: 256 KB for k = 4096, whatever
+the model), (a_c, b_c) hashed from (seed, bucket, c) and eps_{c,g} from (seed, bucket, c, g)
+(:func:`segment_sign_bits`). A run of full segments costs one multiply-add per fold row and one add
+per segment::
 
-    F  = (x_chunk * tau[o_c : o_c + T]).view(G, m, p).sum(1)
-    S += eps_c * sum_g roll(F[g], r_{c,g})
+    F[g] = sum_q tau[q*p : (q+1)*p] * x_segment_g[q*p : (q+1)*p]      (the fold: [nb, m, p] -> [nb, p])
+    S   += eps_{c,g} * roll(F[g], r_{c,g})
 
-Guarantees (derivation in the project's research notes, re-measured by ``benchmarks/sketch_error.py``):
+Guarantees (re-measured by ``benchmarks/sketch_error.py``):
 
 * exactly unbiased, E<Sx, Sy> = <x, y> for every x, y: signs of distinct elements are uncorrelated
-  (same chunk: distinct table entries; different chunks or buckets: independent eps);
+  (same segment: distinct table entries; different segments: independent eps);
 * two elements collide deterministically iff they sit in the same segment and are congruent mod p
-  (at most m of them); any other pair collides with probability exactly 1/p. So
-  Var <Sx, Sy> <= (|x|^2 |y|^2 + <x, y>^2)/p + 2(m-1) min(|x|_inf^2 |y|^2, |x|^2 |y|_inf^2) + (a
-  table-reuse term ~2/G of the first). For gradients without energy periodic in exactly p (only
-  possible when p divides a tensor dimension, which :func:`safe_sketch_size` rules out) this is the
-  count sketch's variance with k -> p: the cosine error has std <= sqrt(2/p);
+  (at most m of them); any other pair collides with probability exactly 1/p (the rotations of one
+  chunk's segments are pairwise independent, other chunks' and buckets' independent). So
+  Var <Sx, Sy> <= (|x|^2 |y|^2 + <x, y>^2)/p + 2(m-1) min(|x|_inf^2 |y|^2, |x|^2 |y|_inf^2) + R, where
+  R, from segments reusing the table, is (2/p) sum_j X_j Y_j with X_j, Y_j the energy of x and y at
+  positions = j mod p: ~|x|^2 |y|^2 / p^2 unless the energy is periodic in exactly p (only possible when
+  p divides a tensor dimension, which :func:`safe_sketch_size` rules out). Then this is the count
+  sketch's variance with k -> p: the cosine error has std <= sqrt(2/p);
 * identical on every rank for the same (seed, bucket, layout): all randomness is integer hashing in
   overflow-free int64, so bins and signs are the same on every device type;
 * linear: sketches of disjoint buckets add up; a bucket may be sketched piecewise with ``start=``
   (FSDP shards, streaming) and the pieces summed.
 
-Cost: no state but the sign table (2T floats per dtype and device, cached), temporaries of one
-chunk; on one CPU thread ~0.9-1.3 ns per element against 1.4-2.0 for the count sketch it replaces
-(which cached a 4-byte bin index per parameter) and 4.6-5.2 when that one drew its bins afresh.
+Cost: no state but the sign table (L floats per dtype and device, cached) and an [nb, p] fold. Why a
+table one segment long: every segment reads the same L entries, so the table stays in cache while the
+gradient streams past. The chunk-long table (4 MiB) of the previous fold came from memory at every
+call once a training step's activations had evicted it, and its multiply-then-sum wrote and re-read a
+gradient-sized buffer: in a DDP hook of the issue-13 harness model (2 ranks, buckets of 0.53M and
+0.26M elements) that sketch took 0.93-1.06 ms a bucket and this one 0.63-0.78 ms
+(``benchmarks/sketch_cost.py`` measures ns per element, cold and warm).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -55,10 +61,9 @@ import torch
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 
-DEFAULT_CHUNK = 1 << 20  # target chunk / sign-table length T
-MIN_SEGMENTS = 16  # default m keeps >= this many segments per chunk
+FOLD_SPAN = 1 << 16  # the default fold depth keeps a segment (and so the sign table) near this many elements
 MAX_M = 16  # and never folds deeper than this
-_LOOP_MIN_P = 8192  # CPU: rotate long rows with slice-adds instead of a gather
+_LOOP_MAX_ROWS = 8  # a GPU rotates more rows than this with one gather (a CPU always adds row by row)
 
 
 # --------------------------------------------------------------------------------------
@@ -118,21 +123,26 @@ class Layout:
     k: int  # requested sketch size
     p: int  # bins actually used (largest prime <= k); sketch length
     m: int  # fold depth: a segment is L = m*p elements
-    G: int  # segments per chunk
-    L: int  # segment length
-    T: int  # chunk length == sign-table length
+    G: int  # segments per chunk (<= p)
+    L: int  # segment length == sign-table length
+    T: int  # chunk length
 
 
 @functools.lru_cache(maxsize=None)
 def get_layout(k: int, m: Optional[int] = None, chunk: Optional[int] = None) -> Layout:
-    chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
+    """The fold for a requested size k: p bins, fold depth m (default: the deepest, up to MAX_M, whose
+    segment fits FOLD_SPAN), and G = p segments per chunk unless ``chunk`` asks for fewer.
+
+    >>> get_layout(4096)
+    Layout(k=4096, p=4093, m=16, G=4093, L=65488, T=268042384)
+    """
     p = largest_prime_leq(int(k))
-    if m is None:  # deepest fold (cheapest rotation) that keeps >= MIN_SEGMENTS segments/chunk
-        m = max(1, min(MAX_M, chunk // (MIN_SEGMENTS * p)))
+    if m is None:  # deepest fold (cheapest rotation) whose segment stays near FOLD_SPAN
+        m = max(1, min(MAX_M, FOLD_SPAN // p))
     m = int(m)
     L = m * p
-    # G <= p keeps the affine segment rotations pairwise independent
-    G = max(1, min(p, chunk // L))
+    # G <= p keeps the affine segment rotations of a chunk pairwise independent
+    G = p if chunk is None else max(1, min(p, int(chunk) // L))
     return Layout(k=int(k), p=p, m=m, G=G, L=L, T=G * L)
 
 
@@ -163,21 +173,22 @@ _TABLES: dict[tuple[int, int, str, Any], Any] = {}
 _TABLE_CACHE_SIZE = 8
 
 
-def sign_table(seed: int, T: int, device: Any, dtype: Any = torch.float32) -> Any:
-    """Random +-1 table of length T, stored doubled (length 2T) so that any cyclic
-    window tau[(o + t) mod T], t < T, is the contiguous slice tau2[o : o + T].
-    A function of (seed, T) only; cached (constant size, independent of the model)."""
+def sign_table(seed: int, L: int, device: Any, dtype: Any = torch.float32) -> Any:
+    """Random +-1 table of length L (one segment), a function of (seed, L) only; cached.
+
+    Small on purpose: every segment of every bucket reads the same L entries, so the table stays in
+    cache while the gradient streams past (a table as long as the chunk came from memory at every call,
+    which in a training step, whose activations evict it, doubled the sketch's cost)."""
     dev = torch.device(device)
-    key = (int(seed), int(T), str(dev), dtype)
+    key = (int(seed), int(L), str(dev), dtype)
     tab = _TABLES.get(key)
     if tab is None:
-        K = _key(seed, T, 0x7A7)
-        nw = (T + 31) // 32  # one 32-bit hash word gives 32 signs
+        K = _key(seed, L, 0x7A7)
+        nw = (L + 31) // 32  # one 32-bit hash word gives 32 signs
         w = torch.arange(nw, dtype=torch.int64, device=dev)
         w = _fmix32(_fmix32(w ^ (K & _M32)) ^ (K >> 32))
         bits = (w[:, None] >> torch.arange(32, dtype=torch.int64, device=dev)) & 1
-        tau = (1 - 2 * bits.reshape(-1)[:T]).to(dtype)
-        tab = torch.cat([tau, tau])
+        tab = (1 - 2 * bits.reshape(-1)[:L]).to(dtype)
         if len(_TABLES) >= _TABLE_CACHE_SIZE:
             _TABLES.pop(next(iter(_TABLES)))
         _TABLES[key] = tab
@@ -190,14 +201,31 @@ def _aranges(p: int, G: int, device: str) -> tuple[Any, Any]:
     return (torch.arange(p, dtype=torch.int64, device=dev), torch.arange(G, dtype=torch.int64, device=dev))
 
 
-def _chunk_params(seed: int, bucket_id: int, c: int, lay: Layout) -> tuple[int, float, int, int]:
+@functools.lru_cache(maxsize=4096)
+def _chunk_params(seed: int, bucket_id: int, c: int, p: int) -> tuple[int, int, int]:
+    """(K_c, a_c, b_c): the chunk's sign key and its rotation rule r_g = (a_c*g + b_c) mod p."""
     h1 = _key(seed, bucket_id, c, 1)
     h2 = _splitmix64(h1)
-    o = h1 % lay.T  # table offset
-    eps = 1.0 if (h1 >> 63) & 1 else -1.0  # chunk sign
-    a = h2 % lay.p  # rotation rule r_g = (a*g + b) mod p
-    b = (h2 >> 32) % lay.p
-    return o, eps, a, b
+    return h1, h2 % p, (h2 >> 32) % p
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_moves(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[int, float], ...]:
+    """(r_g, eps_g) of segments g0 .. g0+nb-1: where each folded row goes and with which sign (cached:
+    a DDP bucket asks for the same rows every step)."""
+    return tuple(((a * g + b) % p, -1.0 if segment_sign_bits(K, g) else 1.0) for g in range(g0, g0 + nb))
+
+
+def segment_sign_bits(K: Any, g: Any) -> Any:
+    """Bit 0 of a 32-bit hash of (K, g): segment g's sign is eps = 1 - 2*bit. Python ints or int64
+    tensors alike, so the loop and the vectorised rotation draw the same signs.
+
+    >>> [segment_sign_bits(0x1234_5678_9ABC_DEF0, g) for g in range(8)]
+    [1, 1, 1, 1, 1, 1, 0, 0]
+    >>> segment_sign_bits(0x1234_5678_9ABC_DEF0, torch.arange(8)).tolist()
+    [1, 1, 1, 1, 1, 1, 0, 0]
+    """
+    return _fmix32(_fmix32(g ^ (K & _M32)) ^ ((K >> 32) & _M32)) & 1
 
 
 # --------------------------------------------------------------------------------------
@@ -232,89 +260,104 @@ def sketch_bucket(
     p, mm, L, T = lay.p, lay.m, lay.L, lay.T
     x = x.reshape(-1)
     dev = x.device
-    tau2 = sign_table(seed, T, dev)
-    parange, garange = _aranges(p, lay.G, str(dev))
-    acc = torch.zeros(p, dtype=torch.float32, device=dev)
+    tau = sign_table(seed, L, dev)
+    # Doubled: a row rotated by r is one add into acc2[r : r + p]; the two halves are summed at the end.
+    acc2 = torch.zeros(2 * p, dtype=torch.float32, device=dev)
     n = x.numel()
     i = 0
     while i < n:
         pos = start + i
         c, t = divmod(pos, T)
         take = min(n - i, T - t)
-        o, eps, a, b = _chunk_params(seed, bucket_id, c, lay)
+        K, a, b = _chunk_params(seed, bucket_id, c, p)
         g, u = divmod(t, L)
         j = 0
         if u:  # head: partial segment
             h = min(take, L - u)
-            _partial(acc, x[i : i + h], tau2, o + t, u, g, a, b, eps, p)
+            _partial(acc2, x[i : i + h], tau, u, _row_moves(K, a, b, g, 1, p)[0])
             j, g = h, g + 1
         nb = (take - j) // L
         if nb:  # body: nb full segments
-            xs = x[i + j : i + j + nb * L]
-            s0 = o + g * L
-            signs = tau2[s0 : s0 + nb * L]
-            signed = torch.mul(xs, signs, out=_host_scratch(nb * L)) if dev.type == "cpu" else xs * signs
-            F = signed.view(nb, mm, p).sum(1, dtype=torch.float32)
-            _rotate_add(acc, F, g, a, b, eps, parange, garange)
+            F = _fold(x[i + j : i + j + nb * L].view(nb, mm, p), tau.view(mm, p))
+            _rotate_add(acc2, F, g, K, a, b)
             j += nb * L
             g += nb
         if j < take:  # tail: partial segment
-            _partial(acc, x[i + j : i + take], tau2, o + g * L, 0, g, a, b, eps, p)
+            _partial(acc2, x[i + j : i + take], tau, 0, _row_moves(K, a, b, g, 1, p)[0])
         i += take
+    acc = acc2[:p].add_(acc2[p:])
     if out is None:
         return acc
     out.view(-1)[:p].add_(acc)
     return out
 
 
-_SCRATCH = threading.local()
+def _fold(xs: Any, tau: Any) -> Any:
+    """F[g] = sum_q tau[q] * xs[g, q] in fp32: the signed fold of nb full segments ([nb, m, p] -> [nb, p]).
+
+    On the host, one multiply-add per fold row into an [nb, p] accumulator (:func:`_fold_rows`): the
+    signed segments are never written out, so the pass reads the gradient once, where a multiply-then-sum
+    writes and re-reads a gradient-sized buffer. On a GPU, one broadcast multiply and one reduction
+    (:func:`_fold_fused`): two kernels, where the loop would launch m."""
+    return _fold_rows(xs, tau) if xs.device.type == "cpu" else _fold_fused(xs, tau)
 
 
-def _host_scratch(numel: int) -> Any:
-    """A reused fp32 host buffer of ``numel`` elements for the signed chunk (at most one chunk, T elements).
-
-    A fresh multi-MiB tensor per bucket and step costs the host allocator more than the multiply itself
-    (measured: 322 µs against 132 µs for two DDP buckets of 0.5M and 0.26M elements); the CUDA caching
-    allocator makes a fresh one free, and a shared buffer there would need stream bookkeeping. Per thread,
-    since backward and comm hooks may run on threads of their own.
-    """
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
-    return buffer[:numel]
+def _fold_rows(xs: Any, tau: Any) -> Any:
+    if xs.dtype != torch.float32:
+        xs = xs.float()
+    acc = torch.mul(xs[:, 0], tau[0])
+    for q in range(1, xs.shape[1]):
+        acc.addcmul_(xs[:, q], tau[q])
+    return acc
 
 
-def _rotate_add(acc: Any, F: Any, g0: int, a: int, b: int, eps: float, parange: Any, garange: Any) -> None:
-    """acc += eps * sum_g roll(F[g], r_{g0+g}),  r_g = (a*g + b) mod p.
-    CPU with long rows: a loop of slice-adds (no index tensors).  Otherwise one gather on
-    the doubled rows [F, F] with a broadcast int64 index (no integer division)."""
+def _fold_fused(xs: Any, tau: Any) -> Any:
+    return (xs * tau).sum(1, dtype=torch.float32)
+
+
+def _rotate_add(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
+    """acc2 += eps_g * F[g] at offset r_{g0+g} of the doubled accumulator, for every row g of F.
+
+    On the host, or for a few rows, one add per row (:func:`_rotate_rows`). Otherwise one gather
+    (:func:`_rotate_gather`), so that a GPU launches a constant number of kernels whatever the rows."""
+    if F.device.type == "cpu" or F.shape[0] <= _LOOP_MAX_ROWS:
+        _rotate_rows(acc2, F, g0, K, a, b)
+    else:
+        _rotate_gather(acc2, F, g0, K, a, b)
+
+
+def _rotate_rows(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
     nb, p = F.shape
-    if nb == 1 or (F.device.type == "cpu" and p >= _LOOP_MIN_P):
-        for q in range(nb):
-            r = (a * (g0 + q) + b) % p
-            if r:
-                acc[r:].add_(F[q, : p - r], alpha=eps)
-                acc[:r].add_(F[q, p - r :], alpha=eps)
-            else:
-                acc.add_(F[q], alpha=eps)
-        return
-    r = (garange[g0 : g0 + nb] * a + b) % p  # per-segment rotations, [nb]
+    for q, (r, eps) in enumerate(_row_moves(K, a, b, g0, nb, p)):
+        acc2[r : r + p].add_(F[q], alpha=eps)
+
+
+def _rotate_gather(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
+    """The rows' rotations and signs as int64 tensors (the same hash as :func:`_row_moves`), then one
+    gather on the doubled rows [F, F] with a broadcast index (no integer division)."""
+    nb, p = F.shape
+    parange, garange = _aranges(p, g0 + nb, str(F.device))
+    gs = garange[g0 : g0 + nb]
+    r = (gs * a + b) % p  # per-segment rotations, [nb]
+    eps = (1 - 2 * segment_sign_bits(K, gs)).to(F.dtype)
     idx = (p - r)[:, None] + parange  # [nb, p] int64, values in [1, 2p)
-    acc.add_(torch.gather(torch.cat([F, F], 1), 1, idx).sum(0), alpha=eps)
+    acc2[:p].add_((torch.gather(torch.cat([F, F], 1), 1, idx) * eps[:, None]).sum(0))
 
 
-def _partial(acc: Any, xs: Any, tau2: Any, s0: int, u: int, g: int, a: int, b: int, eps: float, p: int) -> None:
-    """Elements xs occupy segment positions [u, u+len) of segment g (signs from tau2[s0:])."""
-    h = xs.numel()
-    prod = (xs * tau2[s0 : s0 + h]).float()
-    lead = u % p
-    tot = lead + h
-    trail = (-tot) % p
-    if lead or trail:
-        prod = torch.nn.functional.pad(prod, (lead, trail))
-    f = prod.view(-1, p).sum(0)
-    r = (a * g + b) % p
-    acc.add_(torch.roll(f, r), alpha=eps)
+def _partial(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float]) -> None:
+    """Elements xs occupy segment positions [u, u+len) of a segment whose row goes to offset r with sign eps.
+
+    Position u+i lands in bin ((u+i) mod p + r) mod p: cut at multiples of p, each piece is one add
+    into the doubled accumulator (no padding, no roll)."""
+    r, eps = move
+    p = acc2.numel() // 2
+    prod = (xs * tau[u : u + xs.numel()]).float()
+    i = 0
+    while i < prod.numel():
+        lead = (u + i) % p
+        piece = prod[i : i + p - lead]
+        acc2[lead + r : lead + r + piece.numel()].add_(piece, alpha=eps)
+        i += piece.numel()
 
 
 class FoldedSketch:

@@ -42,19 +42,29 @@ def test_structure_matches_documented_formula():
     lay = SK.get_layout(K, M, CHUNK)
     n = 3 * lay.T + 77
     S = torch.stack([_sk(e, seed=11, bucket_id=5) for e in torch.eye(n)])      # [n, p]
-    tau2 = SK.sign_table(11, lay.T, "cpu")
+    tau = SK.sign_table(11, lay.L, "cpu")
+    assert tau.numel() == lay.L
     for i in range(n):
         c, t = divmod(i, lay.T)
-        o, eps, a, b = SK._chunk_params(11, 5, c, lay)
-        g = t // lay.L
-        expect_bin = (t % lay.p + a * g + b) % lay.p
-        expect_sign = eps * float(tau2[o + t])
+        g, u = divmod(t, lay.L)
+        key, a, b = SK._chunk_params(11, 5, c, lay.p)
+        expect_bin = (u % lay.p + a * g + b) % lay.p
+        expect_sign = (1 - 2 * SK.segment_sign_bits(key, g)) * float(tau[u])
         nz = S[i].nonzero().flatten().tolist()
         assert nz == [expect_bin], (i, nz, expect_bin)
         assert float(S[i, expect_bin]) == expect_sign
     # linearity
     x = torch.randn(n, dtype=torch.float64)
     assert torch.allclose(_sk(x, seed=11, bucket_id=5).double(), x @ S.double(), atol=1e-4)
+
+
+def test_every_segment_of_a_chunk_reads_the_same_short_table():
+    # The table is one segment long whatever the bucket: that is what keeps it in cache.
+    for k in (1024, 4096, 16384):
+        lay = SK.get_layout(k)
+        assert lay.L <= 1 << 16 and lay.G == lay.p
+        SK.sketch_bucket(torch.randn(3 * lay.L + 5), k=k, seed=9, bucket_id=0)
+        assert SK.sign_table(9, lay.L, "cpu").numel() == lay.L
 
 
 def test_piecewise_and_out_accumulation():
@@ -67,19 +77,22 @@ def test_piecewise_and_out_accumulation():
     assert torch.allclose(out, full, atol=1e-4)
 
 
-def test_rotation_paths_agree():
-    """The CPU slice-add rotation and the gather rotation compute the same sketch."""
-    x = torch.randn(3_000_000)
-    for k in (1024, 16384):
-        old = SK._LOOP_MIN_P
-        try:
-            SK._LOOP_MIN_P = 0
-            a = SK.sketch_bucket(x, k=k, seed=5, bucket_id=1)
-            SK._LOOP_MIN_P = 1 << 40
-            b = SK.sketch_bucket(x, k=k, seed=5, bucket_id=1)
-        finally:
-            SK._LOOP_MIN_P = old
-        assert torch.allclose(a, b, atol=1e-3), (a - b).abs().max()
+def test_host_and_gpu_paths_agree():
+    """The host's row-by-row fold and rotation compute what the GPU's fused fold and gather compute."""
+    g = torch.Generator().manual_seed(4)
+    for k in (32, 1024, 16384):
+        lay = SK.get_layout(k)
+        nb = 11
+        xs = torch.randn(nb, lay.m, lay.p, generator=g)
+        tau = SK.sign_table(5, lay.L, "cpu").view(lay.m, lay.p)
+        rows, fused = SK._fold_rows(xs, tau), SK._fold_fused(xs, tau)
+        assert torch.allclose(rows, fused, atol=1e-4), (rows - fused).abs().max()
+        key, a, b = SK._chunk_params(5, 1, 0, lay.p)
+        by_rows, by_gather = torch.zeros(2 * lay.p), torch.zeros(2 * lay.p)
+        SK._rotate_rows(by_rows, rows, 3, key, a, b)
+        SK._rotate_gather(by_gather, rows, 3, key, a, b)
+        folded = by_rows[: lay.p] + by_rows[lay.p :]
+        assert torch.allclose(folded, by_gather[: lay.p] + by_gather[lay.p :], atol=1e-3)
 
 
 def test_half_precision_is_upcast():
@@ -124,9 +137,9 @@ def test_unbiased_monte_carlo_norm():
     assert abs(float(est.mean()) - true) < 4 * se
 
 
-def test_the_reused_host_buffer_never_leaks_between_calls():
-    # The signed chunk goes through one kept host buffer (sketch._host_scratch): a bigger bucket in
-    # between, and a bf16 one, must not change what a bucket sketches to.
+def test_no_state_leaks_between_calls():
+    # Cached pieces (the sign table, the rows' rotations): a bigger bucket in between, and a bf16 one,
+    # must not change what a bucket sketches to.
     g = torch.Generator().manual_seed(7)
     small, big = torch.randn(200_000, generator=g), torch.randn(1_500_000, generator=g)
     first = SK.sketch_bucket(small, k=1024, seed=3, bucket_id=0).clone()
