@@ -64,6 +64,8 @@ _M32 = (1 << 32) - 1
 FOLD_SPAN = 1 << 16  # the default fold depth keeps a segment (and so the sign table) near this many elements
 MAX_M = 16  # and never folds deeper than this
 _LOOP_MAX_ROWS = 8  # a GPU rotates more rows than this with one gather (a CPU always adds row by row)
+#: Elements per fold call, (accelerator, host): a GPU's fewer, larger calls launch fewer kernels.
+RUN_ELEMENTS = (1 << 24, 1 << 20)
 
 
 # --------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def sketch_bucket(
     """Sketch a flat gradient bucket (any float dtype, any device) into R^p, p = sketch_dim(k).
 
     Args:
-      x:         bucket (flattened with reshape(-1)); bf16/fp16 are upcast chunk by chunk.
+      x:         bucket (flattened with reshape(-1)); bf16/fp16 are upcast run by run (RUN_ELEMENTS).
       k:         requested sketch size; p = largest prime <= k bins are used.
       seed:      sketch seed (same on all ranks; may change per step).
       bucket_id: identifies the bucket; different buckets get independent randomness.
@@ -263,6 +265,9 @@ def sketch_bucket(
     tau = sign_table(seed, L, dev)
     # Doubled: a row rotated by r is one add into acc2[r : r + p]; the two halves are summed at the end.
     acc2 = torch.zeros(2 * p, dtype=torch.float32, device=dev)
+    # Segments per fold call: the fold's temporaries (a GPU's signed copy in fp32, the host's [run, p]
+    # accumulator) stay ~RUN_ELEMENTS whatever the bucket (an FSDP group's gradient can be gigabytes).
+    runs = max(1, RUN_ELEMENTS[dev.type == "cpu"] // L)
     n = x.numel()
     i = 0
     while i < n:
@@ -277,11 +282,13 @@ def sketch_bucket(
             _partial(acc2, x[i : i + h], tau, u, _row_moves(K, a, b, g, 1, p)[0])
             j, g = h, g + 1
         nb = (take - j) // L
-        if nb:  # body: nb full segments
-            F = _fold(x[i + j : i + j + nb * L].view(nb, mm, p), tau.view(mm, p))
+        while nb:  # body: full segments, in runs that bound the temporaries
+            run = min(nb, runs)
+            F = _fold(x[i + j : i + j + run * L].view(run, mm, p), tau.view(mm, p))
             _rotate_add(acc2, F, g, K, a, b)
-            j += nb * L
-            g += nb
+            j += run * L
+            g += run
+            nb -= run
         if j < take:  # tail: partial segment
             _partial(acc2, x[i + j : i + take], tau, 0, _row_moves(K, a, b, g, 1, p)[0])
         i += take
@@ -303,8 +310,7 @@ def _fold(xs: Any, tau: Any) -> Any:
 
 
 def _fold_rows(xs: Any, tau: Any) -> Any:
-    if xs.dtype != torch.float32:
-        xs = xs.float()
+    # bf16/fp16 rows are promoted by the ops themselves (the table is fp32): no upcast copy.
     acc = torch.mul(xs[:, 0], tau[0])
     for q in range(1, xs.shape[1]):
         acc.addcmul_(xs[:, q], tau[q])

@@ -146,3 +146,12 @@ def test_no_state_leaks_between_calls():
     SK.sketch_bucket(big, k=1024, seed=3, bucket_id=1)
     SK.sketch_bucket(big.to(torch.bfloat16), k=1024, seed=3, bucket_id=2)
     assert torch.equal(SK.sketch_bucket(small, k=1024, seed=3, bucket_id=0), first)
+
+
+def test_runs_bound_the_temporaries_without_changing_the_sketch(monkeypatch):
+    # A fold call takes at most RUN_ELEMENTS: an FSDP group's gradient of gigabytes must not make a
+    # gradient-sized signed copy. Cutting the body into runs changes no bin and no sign.
+    x = torch.randn(5 * 248 + 17)
+    whole = _sk(x, seed=6, bucket_id=3)
+    monkeypatch.setattr(SK, "RUN_ELEMENTS", (62, 62))  # one segment (L = 62) per fold call
+    assert torch.allclose(_sk(x, seed=6, bucket_id=3), whole, atol=1e-5)
