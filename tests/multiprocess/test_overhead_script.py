@@ -75,7 +75,10 @@ def test_sketch_cost_table(capsys):
             sys.argv = argv
     line = capsys.readouterr().out.splitlines()[-1]
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert cells[0] == "20,000" and all(float(c) > 0 for c in cells[1:5]) and cells[5] == "0.1 MiB"
+    # elements | before, drawn again, cold | after, cold | ratios | state before | state after
+    assert cells[0] == "20,000" and all(float(c) > 0 for c in cells[1:6])
+    assert all(float(c) > 0 for c in cells[6].split(","))
+    assert cells[7] == "0.1 MiB" and cells[8] == "0 (256 KiB sign table, any model)"
 
 
 @pytest.mark.multiprocess
