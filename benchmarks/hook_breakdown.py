@@ -66,6 +66,7 @@ def instrument(totals: dict[str, float]) -> Callable[[], None]:
         # An inherited method (end_step) is wrapped on the subclass and deleted again, not copied onto it.
         undo.append((owner, attribute, original if attribute in vars(owner) else None))
         setattr(owner, attribute, functools.wraps(original)(timed))
+
     def restore() -> None:
         for owner, attribute, original in undo:
             if original is None:

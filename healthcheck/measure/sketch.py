@@ -198,9 +198,8 @@ def sign_table(seed: int, L: int, device: Any, dtype: Any = torch.float32) -> An
 
 
 @functools.lru_cache(maxsize=64)
-def _aranges(p: int, G: int, device: str) -> tuple[Any, Any]:
-    dev = torch.device(device)
-    return (torch.arange(p, dtype=torch.int64, device=dev), torch.arange(G, dtype=torch.int64, device=dev))
+def _parange(p: int, device: str) -> Any:
+    return torch.arange(p, dtype=torch.int64, device=torch.device(device))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,7 +246,7 @@ def sketch_bucket(
     """Sketch a flat gradient bucket (any float dtype, any device) into R^p, p = sketch_dim(k).
 
     Args:
-      x:         bucket (flattened with reshape(-1)); bf16/fp16 are upcast run by run (RUN_ELEMENTS).
+      x:         bucket (flattened with reshape(-1)); bf16/fp16 are promoted to fp32 run by run (RUN_ELEMENTS).
       k:         requested sketch size; p = largest prime <= k bins are used.
       seed:      sketch seed (same on all ranks; may change per step).
       bucket_id: identifies the bucket; different buckets get independent randomness.
@@ -267,7 +266,7 @@ def sketch_bucket(
     acc2 = torch.zeros(2 * p, dtype=torch.float32, device=dev)
     # Segments per fold call: the fold's temporaries (a GPU's signed copy in fp32, the host's [run, p]
     # accumulator) stay ~RUN_ELEMENTS whatever the bucket (an FSDP group's gradient can be gigabytes).
-    runs = max(1, RUN_ELEMENTS[dev.type == "cpu"] // L)
+    per_run = max(1, RUN_ELEMENTS[dev.type == "cpu"] // L)
     n = x.numel()
     i = 0
     while i < n:
@@ -283,7 +282,7 @@ def sketch_bucket(
             j, g = h, g + 1
         nb = (take - j) // L
         while nb:  # body: full segments, in runs that bound the temporaries
-            run = min(nb, runs)
+            run = min(nb, per_run)
             F = _fold(x[i + j : i + j + run * L].view(run, mm, p), tau.view(mm, p))
             _rotate_add(acc2, F, g, K, a, b)
             j += run * L
@@ -342,8 +341,8 @@ def _rotate_gather(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
     """The rows' rotations and signs as int64 tensors (the same hash as :func:`_row_moves`), then one
     gather on the doubled rows [F, F] with a broadcast index (no integer division)."""
     nb, p = F.shape
-    parange, garange = _aranges(p, g0 + nb, str(F.device))
-    gs = garange[g0 : g0 + nb]
+    parange = _parange(p, str(F.device))
+    gs = torch.arange(g0, g0 + nb, dtype=torch.int64, device=F.device)
     r = (gs * a + b) % p  # per-segment rotations, [nb]
     eps = (1 - 2 * segment_sign_bits(K, gs)).to(F.dtype)
     idx = (p - r)[:, None] + parange  # [nb, p] int64, values in [1, 2p)
