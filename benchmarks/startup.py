@@ -10,7 +10,8 @@ ranks) ``--repeats`` times and prints the median seconds of every phase:
 * ``spawn``: the elastic launcher starting the workers;
 * ``rendezvous``, ``build`` (data loader, model, DDP, monitor), ``start_checks`` (fail fast), ``train`` (the
   optimizer steps), ``finish`` (the audits' gather): rank 0's clock (``result.json`` ``timing.phases``);
-* ``report``: judging against the baseline and writing the terminal, Markdown, JUnit, HTML and plots.
+* ``report``: what the command took besides rank 0's clock and ``interpreter+cli``: judging against the
+  baseline, writing the terminal, Markdown, JUnit, HTML and plots, and the interpreter's exit.
 
 ``--set key=value`` is passed through, e.g. ``--set data.sharding=replicated`` times a probe that fails fast.
 

@@ -74,6 +74,12 @@ def warm_parent_caches(config: ProbeConfig) -> None:
     pool has started can deadlock the children.
     """
     launcher.prepare_fork()
+    # Every worker needs torch and the replay rounds; this module imports neither, so that a bad config
+    # or path fails in a fraction of a second (preflight) instead of after torch has loaded.
+    import torch  # noqa: F401
+
+    import healthcheck.run.replay_rounds  # noqa: F401
+
     if config.script is not None:
         return  # the script imports what it needs; guessing would cost every probe the imports of all
     from transformers import AutoConfig  # noqa: F401  (imports the auto machinery once)

@@ -9,6 +9,7 @@ the one-line failure a rank leaves when the script raises or ends too soon.
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 import sys
@@ -25,7 +26,6 @@ from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.failures import record_worker_failure
 from healthcheck.run.faults import at_step_start, before_process_group, install_faults
 from healthcheck.run.progress import StepProgress
-from healthcheck.run.replay_rounds import build_rounds
 from healthcheck.run.trainer import write_rows
 from healthcheck.run.watchdog import Heartbeat
 
@@ -102,7 +102,7 @@ class _ScriptRun:
             on_metrics=self._on_metrics,
             on_process_group=self._on_process_group,
             install_faults=lambda module: install_faults(module, self.rank_config.faults, self._step_marker),
-            make_replay=lambda module, loss_of, device, names: build_rounds(self.config, module, loss_of, device, names),
+            make_replay=functools.partial(_build_rounds, self.config),
         )
         session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
         path = Path(self.config.script.path)
@@ -185,6 +185,14 @@ def _ended_early(done: int, planned: int, how: str, built_ddp: bool) -> str:
         what = "" if built_ddp else " on a DistributedDataParallel model"
         return f"the script {how} without stepping an optimizer{what} (the probe needs {planned} steps)"
     return f"the script {how} after {done} of the probe's {planned} optimizer steps; give it more data or steps (or lower train.steps)"
+
+
+def _build_rounds(config: ProbeConfig, module: Any, loss_of: Any, device: Any, names: Any) -> Any:
+    # Imported here: the replay pulls in torch, and the CLI imports this module to check a config (a bad
+    # one must fail in a fraction of a second, before torch loads); the launcher imports torch before forking.
+    from healthcheck.run.replay_rounds import build_rounds
+
+    return build_rounds(config, module, loss_of, device, names)
 
 
 def script_exists_error(path: str) -> Optional[str]:

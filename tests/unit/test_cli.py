@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import subprocess
 import sys
 
@@ -33,6 +34,34 @@ def test_a_bad_set_is_exit_2_on_one_line():
     code, _, err = run_main(["config", "show", "--set", "train.steps=many"])
     assert code == ExitCode.INVALID_INPUT
     assert err.count("\n") == 1 and err.startswith("healthcheck: error: ") and "train.steps" in err
+
+
+REFUSE = r"""
+import json, sys
+from healthcheck.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--set", "train.stepz=3"],
+        ["--config", "/no/such/probe.yaml"],
+        ["--set", "data.source=json", "--set", "data.path=/no/such.json"],
+        ["--set", "model.name=./no/such/model"],
+        ["--script", "/no/such/train.py"],
+    ],
+)
+def test_probe_refuses_bad_input_before_torch_loads(tmp_path, argv):
+    # A CI job with a typo should hear about it at once, not after the seconds torch takes to import.
+    done = subprocess.run([sys.executable, "-c", REFUSE, "probe", "--out", str(tmp_path / "run"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("healthcheck: error: ") and len(lines) == 2, done.stderr
+    assert json.loads(lines[-1]) == {"code": ExitCode.INVALID_INPUT, "heavy": []}
+    assert not (tmp_path / "run").exists()
 
 
 def test_multi_line_messages_are_folded_onto_one_line(tmp_path):
