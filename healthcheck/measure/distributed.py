@@ -69,6 +69,22 @@ def _import_torch_npu() -> None:
         ) from None
 
 
+def npu_missing_error(requested: str) -> str | None:
+    """The one-line error when ``requested`` is "npu" and torch_npu is not installed, else None.
+
+    Found without importing torch_npu (its import registers a device), so the launcher can refuse the
+    config before any worker starts; a worker that fails to import it still says why (:func:`resolve_device`).
+
+    >>> npu_missing_error("cpu") is None
+    True
+    """
+    import importlib.util
+
+    if requested != "npu" or importlib.util.find_spec("torch_npu") is not None:
+        return None
+    return "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); it is not installed"
+
+
 def resolve_device(requested: str, local_world_size: int = 1) -> str:
     """Map ``auto``/``cpu``/``cuda``/``npu`` to a concrete device type, or fail clearly.
 

@@ -55,6 +55,9 @@ def preflight(config: ProbeConfig) -> None:
 
     Every rank's effective config is checked, so a bad path hidden in a rank override is caught too.
     """
+    problem = hdist.npu_missing_error(config.distributed.device)
+    if problem:
+        raise InvalidInput(problem)
     if config.script is not None:
         problem = script_exists_error(config.script.path)
         if problem:

@@ -104,7 +104,7 @@ def test_real_gsm8k_with_truncation_stays_finite(tmp_path):
         (["--set", "distributed.nproc=1"], "distributed.nproc: must be >= 2"),
         (["--set", "rank_overrides={8: {train: {lr: 0.1}}}"], "rank_overrides: rank 8 is outside the world"),
         (["--config", "/no/such/probe.yaml"], "config file not found"),
-        # Only a worker can find this out; it is still bad input (exit 2), not a crash (exit 3).
+        # Refused by the launcher's preflight; a worker that cannot import torch_npu (torchrun) says the same.
         (["--set", "distributed.device=npu", "--set", "distributed.nproc=2"], "distributed.device: 'npu' needs torch_npu"),
     ],
 )

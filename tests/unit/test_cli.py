@@ -52,6 +52,7 @@ print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transforme
         ["--set", "data.source=json", "--set", "data.path=/no/such.json"],
         ["--set", "model.name=./no/such/model"],
         ["--script", "/no/such/train.py"],
+        ["--set", "distributed.device=npu"],
     ],
 )
 def test_probe_refuses_bad_input_before_torch_loads(tmp_path, argv):
