@@ -79,8 +79,10 @@ def npu_missing_error(requested: str) -> str | None:
     True
     """
     import importlib.util
+    import sys
 
-    if requested != "npu" or importlib.util.find_spec("torch_npu") is not None:
+    # A module already imported may carry no spec (find_spec then raises): being there is enough.
+    if requested != "npu" or "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is not None:
         return None
     return "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); it is not installed"
 

@@ -126,3 +126,13 @@ def test_every_configurable_device_has_a_default_backend():
 def test_torch_device_puts_each_local_rank_on_its_own_accelerator():
     assert distributed.torch_device("cpu", 3) == torch.device("cpu")
     assert distributed.torch_device("cuda", 3) == torch.device("cuda", 3)
+
+
+def test_the_launcher_refuses_an_npu_only_when_torch_npu_is_missing(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(sys, "path", [])  # nothing on the path: torch_npu cannot be found
+    message = distributed.npu_missing_error("npu")
+    assert message is not None and message.startswith("distributed.device: 'npu' needs torch_npu") and "\n" not in message
+    assert distributed.npu_missing_error("auto") is None and distributed.npu_missing_error("cuda") is None
+    fake_torch_npu(monkeypatch, available=True)  # installed (here: already imported, without a spec)
+    assert distributed.npu_missing_error("npu") is None
