@@ -73,13 +73,13 @@ def main() -> None:
 
     import torch
 
-    from healthcheck.measure.sketch import FoldedSketch
+    from healthcheck.measure.sketch import FoldedSketch, get_layout
 
     torch.set_num_threads(args.threads)
     before = CountSketchBefore(args.k, seed=0)
     after = FoldedSketch(args.k, seed=0)
     print(f"torch {torch.__version__}, {args.threads} thread(s), k={args.k} (folded sketch uses p={after.dim})")
-    table_kib = 4 * after_table_length(args.k) / 1024
+    table_kib = 4 * get_layout(after.dim).L / 1024  # one segment of m*p entries
     evict = torch.zeros(16 << 20)  # 64 MiB, twice the largest last-level cache this runs on
     print("| bucket elements | before ns/elem | before, bins drawn again | before, cold caches | after ns/elem "
           "| after, cold caches | after/before (warm, cold) | state before | state after |")
@@ -94,13 +94,6 @@ def main() -> None:
         print(f"| {numel:,} | {warm:.2f} | {drawn:.2f} | {cold:.2f} | {folded:.2f} | {folded_cold:.2f} | "
               f"{folded / warm:.2f}, {folded_cold / cold:.2f} | {4 * numel / 2**20:.1f} MiB | "
               f"0 ({table_kib:.0f} KiB sign table, any model) |")
-
-
-def after_table_length(k: int) -> int:
-    """Entries of the folded sketch's sign table for a requested k (one segment: m*p)."""
-    from healthcheck.measure.sketch import get_layout, safe_sketch_size
-
-    return get_layout(safe_sketch_size(k, ())).L
 
 
 if __name__ == "__main__":

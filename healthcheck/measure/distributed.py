@@ -58,6 +58,10 @@ def get_dist_info() -> DistInfo:
 # --------------------------------------------------------------------------- devices
 
 
+#: The start of both NPU errors: the launcher's (torch_npu not installed) and a worker's (its import failed).
+_NPU_NEEDS = "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]')"
+
+
 def _import_torch_npu() -> None:
     # Ascend support is isolated here: torch_npu registers the "npu" device and the hccl backend
     # on import, and it is only ever imported when the user asked for an NPU.
@@ -65,7 +69,7 @@ def _import_torch_npu() -> None:
         import torch_npu  # noqa: F401
     except ImportError as exc:
         raise InvalidInput(
-            f"distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); import failed: {exc}"
+            f"{_NPU_NEEDS}; import failed: {exc}"
         ) from None
 
 
@@ -84,7 +88,7 @@ def npu_missing_error(requested: str) -> str | None:
     # A module already imported may carry no spec (find_spec then raises): being there is enough.
     if requested != "npu" or "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is not None:
         return None
-    return "distributed.device: 'npu' needs torch_npu (install with: pip install 'healthcheck[npu]'); it is not installed"
+    return f"{_NPU_NEEDS}; it is not installed"
 
 
 def resolve_device(requested: str, local_world_size: int = 1) -> str:

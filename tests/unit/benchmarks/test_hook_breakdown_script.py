@@ -6,6 +6,7 @@ import doctest
 import time
 
 import pytest
+import torch
 
 from tests.benchmark_scripts import loaded_script
 
@@ -37,7 +38,7 @@ def test_instrument_charges_each_piece_and_restores_it(breakdown, monkeypatch):
     restore = breakdown.instrument(totals)
     try:
         runqueue.read()
-        sketch.FoldedSketch(64, seed=0)(0, __import__("torch").ones(1000))
+        sketch.FoldedSketch(64, seed=0)(0, torch.ones(1000))
     finally:
         restore()
     assert totals["  run-queue clock (hook and end_step)"] >= 20.0
