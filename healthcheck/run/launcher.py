@@ -44,7 +44,8 @@ def launch_local(
     This is the code path torchrun takes. The rendezvous listens on ``127.0.0.1:0`` so the OS
     picks a free port and two probes on one machine never collide. Workers are forked from this
     process: torch and transformers are imported once here instead of once per worker, which is
-    what lets 8 ranks start on 2 cores in under a second.
+    what lets 8 ranks start on 2 cores in under a second. Each forked worker waits for its last sibling
+    to be forked before it runs ``entrypoint`` (:class:`ForkGate`).
 
     Returns ``{rank: return value}``; raises :class:`ProbeFailed` naming the failed rank(s).
     """
@@ -69,11 +70,53 @@ def launch_local(
         monitor_interval=monitor_interval_s,
         start_method=start_method,
     )
+    gate = ForkGate(nproc) if start_method == "fork" else None
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        return elastic_launch(config, _after_every_fork)(gate, entrypoint, *args)
     except ChildFailedError as exc:
         signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
         raise ProbeFailed(describe_child_failure(exc), signals) from None
+
+
+#: How long a forked worker waits for its siblings to be forked (:class:`ForkGate`) before it goes on anyway.
+FORK_GATE_TIMEOUT_S = 30.0
+
+
+class ForkGate:
+    """Holds every forked worker until the launcher has forked all of them.
+
+    Why: the elastic agent forks the workers one after another while the first ones already connect to its
+    TCPStore, and torch's socket code formats each connection's address with ``getnameinfo``, a reverse lookup
+    that takes glibc's resolver lock. A fork while a launcher thread holds that lock hands the child a lock
+    nobody will release, and the child's own first connection then waits on it forever: one rank stuck in
+    ``getnameinfo`` under ``TCPStore::TCPStore``, the rest waiting for it in gloo's rendezvous (py-spy dumps:
+    8 stalls in 450 one-step probes launched from one process without the gate, 0 in 300 with it;
+    ``benchmarks/startup_stalls.py``). Once every worker exists, no fork is left to inherit the lock.
+    """
+
+    def __init__(self, parties: int):
+        import multiprocessing
+
+        self.parties = parties
+        # A fork context's barrier is shared memory and semaphores unlinked at creation: the workers inherit it,
+        # and nothing is left to clean up after them.
+        self._barrier = multiprocessing.get_context("fork").Barrier(parties)
+
+    def wait(self, timeout_s: float = FORK_GATE_TIMEOUT_S) -> bool:
+        """Block until every worker has arrived (True), or ``timeout_s`` passed (False: a sibling never started,
+        which the process group's rendezvous and the watchdog report better than this could)."""
+        try:
+            self._barrier.wait(timeout_s)
+        except threading.BrokenBarrierError:
+            return False
+        return True
+
+
+def _after_every_fork(gate: ForkGate | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A worker's entry point: through the :class:`ForkGate` first, before anything can resolve an address."""
+    if gate is not None:
+        gate.wait()
+    return entrypoint(*args)
 
 
 _fork_hook_installed = False
