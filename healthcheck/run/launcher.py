@@ -97,7 +97,6 @@ class ForkGate:
     def __init__(self, parties: int):
         import multiprocessing
 
-        self.parties = parties
         # A fork context's barrier is shared memory and semaphores unlinked at creation: the workers inherit it,
         # and nothing is left to clean up after them.
         self._barrier = multiprocessing.get_context("fork").Barrier(parties)
