@@ -30,6 +30,7 @@ from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.measure.module_facts import module_facts
 from healthcheck.measure.sharded_state import unsharded_weight_hashes
 from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.data import MicroBatches, load_rows, prepare_samples, shard_plan
@@ -247,7 +248,7 @@ def _train(
         audit = AuditRecorder(
             model,
             param_check_every=config.metrics.param_check_every,
-            extra={"model_dtype": rank_config.model.dtype, "strategy": strategy},
+            extra={"model_dtype": rank_config.model.dtype, "strategy": strategy, **module_facts(model)},
             sharded=strategy == "fsdp",
             pre_shard=pre_shard,
         )

@@ -7,7 +7,9 @@ Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum o
 
 ``--bug`` reproduces mistakes real scripts make, for healthcheck's detection tests:
 ``sampler-seed-per-rank`` (DistributedSampler(seed=rank)), ``reseed-rank=R`` (rank R calls manual_seed again
-after init_process_group) and ``loss-x2-rank=R`` (rank R multiplies its loss by 2).
+after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2), ``eval-pass-rank=R`` (rank R
+computes a validation loss before training and leaves the model in eval mode) and ``dropout-rank=R`` (rank R
+loads the model with attention dropout 0.1, as a per-node config override would).
 """
 
 import argparse
@@ -122,7 +124,8 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--bug", default="none", help="none, sampler-seed-per-rank, reseed-rank=R or loss-x2-rank=R")
+    ap.add_argument("--bug", default="none",
+                    help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R or dropout-rank=R")
     args = ap.parse_args()
 
     ddp_setup()
@@ -132,11 +135,19 @@ def main():
     if bug == "reseed-rank" and rank == int(bug_rank):
         torch.manual_seed(args.seed + rank)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    faulted = bug_rank != "" and rank == int(bug_rank)
+    overrides = {"attention_dropout": 0.1} if bug == "dropout-rank" and faulted else {}
+    model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
+    model.train()  # from_pretrained returns the model in eval mode
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
     sampler = DistributedSampler(ds, seed=rank) if bug == "sampler-seed-per-rank" else DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
                         collate_fn=make_collate(tok.pad_token_id))
+    if bug == "eval-pass-rank" and faulted:
+        model.eval()  # a validation loss before training, and no model.train() after it
+        with torch.no_grad():
+            input_ids, attn, _ = make_collate(tok.pad_token_id)([ds[i] for i in range(args.batch_size)])
+            model(input_ids=input_ids, attention_mask=attn)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
         os.remove(args.log)

@@ -126,6 +126,9 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         ("sampler-seed-per-rank", STEPS, "audit.data_shards", {1, 2, 3}),
         ("reseed-rank=1", STEPS, "audit.seeds", {1}),
         ("loss-x2-rank=2", 12, "audit.rank_outliers", {2}),
+        # Settings no parameter holds: read at the first training forward, decisive at step 0.
+        ("eval-pass-rank=0", STEPS, "audit.environment", {0}),
+        ("dropout-rank=3", STEPS, "audit.environment", {3}),
     ],
 )
 def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny_llama, tmp_path):
@@ -145,6 +148,10 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
         assert result["stopped_early"] == {"step": 0, "check": check.removeprefix("audit."),
                                            "message": result["audits"][check.removeprefix("audit.")]["message"]}
         assert result["steps_completed"] == 0
+    if check == "audit.environment":  # the one setting that differs, and nothing else
+        setting = {"eval-pass-rank": "model.eval_modules", "dropout-rank": "model.dropout"}[bug.partition("=")[0]]
+        message = result["audits"]["environment"]["message"]
+        assert message.startswith(f"{setting} differs") and message.count("differs") == 1, message
 
 
 def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, tmp_path):

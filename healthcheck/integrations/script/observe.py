@@ -4,8 +4,9 @@
   new epoch), and the DistributedSampler behind them when there is one. Fetches run ahead of the
   forwards (prefetching, accelerate's look-ahead), so what is recorded is a prefix that covers what was
   trained on: enough for overlap, order and coverage, which the audits judge on prefixes.
-* :func:`first_forward_facts`: RNG state hashes, the torch seed and the precision at the first training
-  forward, before any randomness of training was drawn.
+* :func:`first_forward_facts`: RNG state hashes, the torch seed, the precision and the model's settings outside
+  its parameters (:mod:`healthcheck.measure.module_facts`) at the first training forward, before any randomness
+  of training was drawn.
 * :func:`optimizer_facts` / :func:`wrapper_facts`: settings every rank must share, for the environment audit.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Optional
 
 from healthcheck.artifacts import SamplerPlan
 from healthcheck.measure.evidence import rng_state_hashes
+from healthcheck.measure.module_facts import module_facts
 
 #: Attributes set on the objects themselves: an iterator's epoch, and which loader an index sampler is.
 #: (``id()`` alone is reused once a loader is freed, which would merge two loaders' records.)
@@ -120,6 +122,8 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         "precision": precision,
         "device": str(device),
         "model_dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else "none",
+        # Dropout rates, eval-mode modules and the attention kernel, as this forward runs them.
+        "module": module_facts(module),
     }
 
 

@@ -302,7 +302,12 @@ class ScriptSession:
         assert self.audit is not None
         facts = self.first_forward or {}
         self.audit.extra.update(
-            {"model_dtype": facts.get("model_dtype", "unknown"), **observe.optimizer_facts(optimizer), **observe.wrapper_facts(self.model)}
+            {
+                "model_dtype": facts.get("model_dtype", "unknown"),
+                **facts.get("module", {}),
+                **observe.optimizer_facts(optimizer),
+                **observe.wrapper_facts(self.model),
+            }
         )
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]

@@ -1,0 +1,52 @@
+"""The model settings the environment audit compares: dropout rates, eval-mode modules, the attention kernel."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from healthcheck.judge.exact_audits import environment_audit
+from healthcheck.measure.module_facts import module_facts
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, **overrides)
+    return LlamaForCausalLM(config)
+
+
+def test_transformers_attention_dropout_is_read_off_its_attribute():
+    # Llama keeps its attention dropout as a float on each attention module, not as an nn.Dropout.
+    facts = module_facts(tiny_llama(attention_dropout=0.1))
+    assert facts["model.dropout"] == "p=0.1 in 2 modules"
+    assert facts["model.attn_implementation"] in ("eager", "sdpa")
+    assert module_facts(tiny_llama())["model.dropout"] == "p=0 in 2 modules"
+
+
+def test_dropout_modules_count_once_and_a_model_without_any_says_none():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.2), torch.nn.AlphaDropout(0.2), torch.nn.Dropout2d(0.5))
+    assert module_facts(net)["model.dropout"] == "p=0.2 in 2 modules, p=0.5 in 1 module"
+    assert module_facts(torch.nn.Linear(2, 2)) == {"model.dropout": "none", "model.eval_modules": "none of 1 in eval mode"}
+
+
+def test_eval_mode_sets_of_equal_size_still_differ():
+    model = tiny_llama()
+    model.train()
+    assert module_facts(model)["model.eval_modules"].startswith("none of ")
+    model.model.layers[0].eval()
+    first = module_facts(model)["model.eval_modules"]
+    model.model.layers[0].train()
+    model.model.layers[1].eval()
+    second = module_facts(model)["model.eval_modules"]
+    assert first.split(":")[0] == second.split(":")[0]  # as many modules
+    assert first != second
+    model.eval()
+    assert module_facts(model)["model.eval_modules"].startswith("all ")
+
+
+def test_the_environment_audit_names_the_rank_whose_settings_differ():
+    base = {"versions": {"torch": "2"}, "env": {}, "device_name": "cpu", "precision": "fp32"}
+    same, odd = module_facts(tiny_llama()), module_facts(tiny_llama(attention_dropout=0.1))
+    outcome = environment_audit([{**base, **same}, {**base, **same}, {**base, **odd}, {**base, **same}, {**base, **same}])
+    assert not outcome.passed and outcome.ranks == (2,)
+    assert outcome.message == "model.dropout differs: ranks 0-1, 3-4 p=0 in 2 modules; rank 2 p=0.1 in 2 modules"
