@@ -3,8 +3,9 @@
 A rank whose attention dropout is 0.3 where the others' is 0, whose modules were left in eval mode by an
 evaluation pass, or whose transformers model dispatches to another attention kernel computes another
 function from the same weights. Parameter equality cannot see it (no tensor changes), and the statistics
-barely do: a 12-step, 4-rank script-mode probe with attention dropout 0.3 on one rank passed its rank-outlier
-audit. So these are compared exactly, as strings, like the optimizer's hyperparameters:
+barely do: in a 12-step, 4-rank script-mode probe of a small Llama, one rank training with attention
+dropout 0.3 while the others ran without dropout passed the rank-outlier audit. So these are compared
+exactly, as strings, like the optimizer's hyperparameters:
 
 * ``model.dropout``: the dropout probabilities in the model and how many modules use each: ``nn.Dropout``
   and its kin (``p``), and the float attributes named ``*dropout*`` that transformers' attention modules
