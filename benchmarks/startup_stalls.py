@@ -34,15 +34,15 @@ def upper_bound(stalls: int, launches: int, confidence: float = 0.95) -> float:
     >>> upper_bound(3, 3)
     1.0
     """
-    from math import comb
+    from healthcheck.judge.stats import binomial_tail
 
     if stalls >= launches:
         return 1.0
     low, high = stalls / launches, 1.0
-    for _ in range(60):  # P(X <= stalls | rate) falls as the rate grows
+    for _ in range(60):  # P(X <= stalls | rate) = 1 - P(X >= stalls + 1) falls as the rate grows
         rate = (low + high) / 2
-        tail = sum(comb(launches, k) * rate**k * (1 - rate) ** (launches - k) for k in range(stalls + 1))
-        low, high = (rate, high) if tail > 1 - confidence else (low, rate)
+        at_most = 1 - binomial_tail(stalls + 1, launches, rate)
+        low, high = (rate, high) if at_most > 1 - confidence else (low, rate)
     return high
 
 
