@@ -34,10 +34,8 @@ def module_facts(model: Any) -> dict[str, str]:
     '1 of 4 in eval mode: 2'
     """
     from torch.nn.modules.dropout import _DropoutNd
-    from torch.nn.parallel import DistributedDataParallel
 
-    root = model.module if isinstance(model, DistributedDataParallel) else model
-    named = list(root.named_modules())
+    named = list(model.named_modules())
     rates: Counter[float] = Counter()
     for _, module in named:
         if isinstance(module, _DropoutNd):
@@ -51,7 +49,7 @@ def module_facts(model: Any) -> dict[str, str]:
         or "none",
         "model.eval_modules": _eval_modules(named),
     }
-    config = getattr(root, "config", None)
+    config = getattr(model, "config", None)
     kernel = getattr(config, "_attn_implementation", None)
     if isinstance(kernel, str):
         facts["model.attn_implementation"] = kernel
