@@ -132,10 +132,10 @@ def main():
     torch.manual_seed(args.seed)
     rank = int(os.environ["RANK"])
     bug, _, bug_rank = args.bug.partition("=")
-    if bug == "reseed-rank" and rank == int(bug_rank):
+    faulted = bug_rank != "" and rank == int(bug_rank)  # this rank carries a per-rank bug
+    if bug == "reseed-rank" and faulted:
         torch.manual_seed(args.seed + rank)
     tok = AutoTokenizer.from_pretrained(args.model)
-    faulted = bug_rank != "" and rank == int(bug_rank)
     overrides = {"attention_dropout": 0.1} if bug == "dropout-rank" and faulted else {}
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
     model.train()  # from_pretrained returns the model in eval mode
@@ -151,7 +151,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
         os.remove(args.log)
-    loss_scale = 2.0 if bug == "loss-x2-rank" and rank == int(bug_rank) else 1.0
+    loss_scale = 2.0 if bug == "loss-x2-rank" and faulted else 1.0
     Trainer(model, loader, opt, args.steps, args.log, loss_scale).train()
     destroy_process_group()
 
