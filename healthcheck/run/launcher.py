@@ -89,9 +89,9 @@ class ForkGate:
     TCPStore, and torch's socket code formats each connection's address with ``getnameinfo``, a reverse lookup
     that takes glibc's resolver lock. A fork while a launcher thread holds that lock hands the child a lock
     nobody will release, and the child's own first connection then waits on it forever: one rank stuck in
-    ``getnameinfo`` under ``TCPStore::TCPStore``, the rest waiting for it in gloo's rendezvous (py-spy dumps:
-    8 stalls in 450 one-step probes launched from one process without the gate, 0 in 300 with it;
-    ``benchmarks/startup_stalls.py``). Once every worker exists, no fork is left to inherit the lock.
+    ``getnameinfo`` under ``TCPStore::TCPStore``, the rest waiting for it in gloo's rendezvous (py-spy dumps of
+    stalled launches, ``benchmarks/startup_stalls.py --dump``; its stall counts are in the README's Reliability
+    section). Once every worker exists, no fork is left to inherit the lock.
     """
 
     def __init__(self, parties: int):
