@@ -56,6 +56,13 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     times = []
+    profiler = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        profiler = profile(activities=activities, schedule=torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps))
+        profiler.start()
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -70,6 +77,17 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
             torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"profile of arm {arm}, {args.steps} steps, by {sort}:")
+        print(profiler.key_averages().table(sort_by=sort, row_limit=args.profile))
+        if device.type == "cuda":
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
+        if args.trace:
+            profiler.export_chrome_trace(f"{args.trace}-{arm.replace('+', '-')}.json")
     if monitor is not None:
         monitor.flush()
         monitor.close()
@@ -96,6 +114,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS",
+        help="print torch.profiler's top ROWS ops of each arm's timed steps (timed with the profiler on)"
+    )
+    parser.add_argument("--trace", default="", metavar="PREFIX", help="with --profile: write each arm's chrome trace to PREFIX-ARM.json")
     args = parser.parse_args(argv)
 
     import torch

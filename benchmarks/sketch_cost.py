@@ -9,12 +9,18 @@ big to cache 4 bytes per parameter), i.e. drawing the bins again. ``after`` is
 row with a one-segment sign table, and one add per segment.
 
 Every figure is the median of ``--repeats`` timed calls after one warm-up, on one CPU thread
-(``torch.set_num_threads(1)``, as a monitored rank on an oversubscribed host gets), fp32
-buckets of the sizes given. ``cold`` columns write a 64 MiB buffer before each call, as a training
-step's activations do between two hooks, so the caches hold neither the bucket nor any table: the
-case a comm hook meets. Columns: ns per element, and the per-parameter state each keeps.
+(``torch.set_num_threads(1)``, as a monitored rank on an oversubscribed host gets), buckets of the
+sizes and ``--dtype`` given (fp32 by default). ``cold`` columns write a buffer twice the last-level
+cache before each call (64 MiB on the host, 256 MiB on a GPU), as a training step's activations do
+between two hooks, so the caches hold neither the bucket nor any table: the case a comm hook meets.
+Columns: ns per element, and the per-parameter state each keeps.
+
+With ``--device cuda`` both sketches run on the GPU (the device is synchronised around each call), and
+a last line compares the GPU's folded sketch of each bucket with the host's: the sketch must not depend
+on the device type, since ranks on different devices compare sketches.
 
     python benchmarks/sketch_cost.py --sizes 1000000 6553600 --k 4096 --repeats 7
+    python benchmarks/sketch_cost.py --device cuda --dtype bf16 --sizes 6553600 104857600 1073741824
 """
 
 from __future__ import annotations
@@ -28,15 +34,15 @@ from typing import Any, Callable
 class CountSketchBefore:
     """The replaced sketch: cached int32 bins per element, index_add_ into 2k bins."""
 
-    def __init__(self, k: int, seed: int):
-        self.k, self.seed = k, seed
+    def __init__(self, k: int, seed: int, device: str = "cpu"):
+        self.k, self.seed, self.device = k, seed, device
         self._bins: dict[int, Any] = {}
 
     def bins(self, index: int, numel: int) -> Any:
         import torch
 
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return torch.randint(0, 2 * self.k, (numel,), generator=generator, dtype=torch.int32)
+        generator = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + index)
+        return torch.randint(0, 2 * self.k, (numel,), generator=generator, dtype=torch.int32, device=self.device)
 
     def __call__(self, index: int, buffer: Any, cached: bool = True) -> Any:
         import torch
@@ -46,19 +52,23 @@ class CountSketchBefore:
             bins = self.bins(index, buffer.numel())
             if cached:
                 self._bins[index] = bins
-        counts = torch.zeros(2 * self.k, dtype=torch.float32)
-        counts.index_add_(0, bins, buffer)
+        counts = torch.zeros(2 * self.k, dtype=torch.float32, device=self.device)
+        counts.index_add_(0, bins, buffer.float())  # index_add_ needs one dtype: bf16 is upcast first
         return counts[: self.k] - counts[self.k :]
 
 
-def _median_ns_per_element(fn: Callable[[], Any], numel: int, repeats: int, evict: Any = None) -> float:
+def _median_ns_per_element(
+    fn: Callable[[], Any], numel: int, repeats: int, evict: Any = None, sync: Callable[[], None] = lambda: None
+) -> float:
     fn()  # warm-up: caches, sign table, allocator
     times = []
     for _ in range(repeats):
         if evict is not None:
             evict.add_(1.0)
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e9 / numel
 
@@ -69,6 +79,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
 
     import torch
@@ -76,24 +88,37 @@ def main() -> None:
     from healthcheck.measure.sketch import FoldedSketch, get_layout
 
     torch.set_num_threads(args.threads)
-    before = CountSketchBefore(args.k, seed=0)
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    before = CountSketchBefore(args.k, seed=0, device=args.device)
     after = FoldedSketch(args.k, seed=0)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), k={args.k} (folded sketch uses p={after.dim})")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    where = torch.cuda.get_device_name() if cuda else f"{args.threads} CPU thread(s)"
+    print(f"torch {torch.__version__}, {where}, {args.dtype}, k={args.k} (folded sketch uses p={after.dim})")
     table_kib = 4 * get_layout(after.dim).L / 1024  # one segment of m*p entries
-    evict = torch.zeros(16 << 20)  # 64 MiB, twice the largest last-level cache this runs on
+    # Twice the largest last-level cache this runs on: 32 MiB on the hosts here, 50-60 MB of L2 on an H100/H200.
+    evict = torch.zeros((64 if cuda else 16) << 20, device=args.device)
+    agreement = []
     print("| bucket elements | before ns/elem | before, bins drawn again | before, cold caches | after ns/elem "
           "| after, cold caches | after/before (warm, cold) | state before | state after |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for numel in args.sizes:
-        buffer = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-        warm = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats)
-        drawn = _median_ns_per_element(lambda b=buffer: before(1, b, cached=False), numel, args.repeats)
-        cold = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats, evict)
-        folded = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats)
-        folded_cold = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats, evict)
+        host = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+        buffer = host.to(args.device)
+        warm = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats, sync=sync)
+        drawn = _median_ns_per_element(lambda b=buffer: before(1, b, cached=False), numel, args.repeats, sync=sync)
+        cold = _median_ns_per_element(lambda b=buffer: before(0, b), numel, args.repeats, evict, sync)
+        before._bins.clear()  # the cached bins are the "before" state the issue objects to: free them
+        folded = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats, sync=sync)
+        folded_cold = _median_ns_per_element(lambda b=buffer: after(0, b), numel, args.repeats, evict, sync)
+        if cuda:
+            on_gpu, on_host = after(0, buffer).cpu(), after(0, host)
+            agreement.append(f"{numel:,}: {float((on_gpu - on_host).abs().max() / on_host.norm()):.1e}")
         print(f"| {numel:,} | {warm:.2f} | {drawn:.2f} | {cold:.2f} | {folded:.2f} | {folded_cold:.2f} | "
               f"{folded / warm:.2f}, {folded_cold / cold:.2f} | {4 * numel / 2**20:.1f} MiB | "
               f"0 ({table_kib:.0f} KiB sign table, any model) |")
+    if agreement:
+        print("folded sketch on the GPU against the host's, max |difference| / host norm: " + "; ".join(agreement))
 
 
 if __name__ == "__main__":

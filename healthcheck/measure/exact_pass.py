@@ -10,7 +10,7 @@ unit roundoff), so a ratio above 1 is not rounding (a lossy compression hook, a 
 lower precision, or corruption). The gathered float64 mean adds its own γ_N(2⁻⁵³) to the bound.
 
 Memory: N × ``chunk_numel`` elements per gather, upcast to float64 in column slices of
-``GRAM_SLICE_NUMEL`` elements (2 MiB) across all ranks.
+``GRAM_SLICE_NUMEL`` elements across all ranks (2 MiB on the host, 128 MiB on a GPU).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any, Optional, Sequence
 from healthcheck.measure import distributed
 from healthcheck.measure.precision import gamma, unit_roundoff
 
-#: Elements (across all ranks) upcast to float64 at a time when accumulating the exact Gram.
-GRAM_SLICE_NUMEL = 1 << 18
+#: Elements (across all ranks) upcast to float64 at a time when accumulating the exact Gram, (accelerator,
+#: host). The host's slices stay in cache; a GPU's are large because each slice costs kernel launches on the
+#: host (at 2^18, one rank of a 1B-parameter model made ~3,600 slices a step: ``benchmarks/hook_cost.py --profile``).
+GRAM_SLICE_NUMEL = (1 << 24, 1 << 18)
 
 
 def stream_local_gradients(
@@ -70,8 +72,8 @@ def stream_local_gradients(
                 rows = rows[:, :numel]
             reduced_all = torch.cat([r for _, r in pending]) if reduction else None
             # Upcast column slices, not the whole N x chunk block: the float64 temporary stays
-            # ~2 MB instead of N * chunk_numel * 8 bytes, and the work stays in cache.
-            width = max(1, GRAM_SLICE_NUMEL // world)
+            # GRAM_SLICE_NUMEL * 8 bytes instead of N * chunk_numel * 8, and on the host the work stays in cache.
+            width = max(1, GRAM_SLICE_NUMEL[rows.device.type == "cpu"] // world)
             for first in range(0, rows.shape[1], width):
                 block = rows[:, first : first + width].to(torch.float64)
                 if gram_out is not None:

@@ -43,7 +43,7 @@ from healthcheck.measure import distributed, fsdp_internals, lateness
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
-from healthcheck.measure.precision import dot_fp32, unit_roundoff
+from healthcheck.measure.precision import sqnorm_fp32, unit_roundoff
 from healthcheck.measure.step_gather import InFlight
 
 #: Per-rank extras carrying each blocking collective's wait (ms), in call order; turned into blame on arrival.
@@ -193,9 +193,9 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         with self._waiting():
             comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
         keep = fsdp_internals.keep_for_default_stream
-        self._sqnorm[index] = keep(dot_fp32(local, local) * (pre * pre))
+        self._sqnorm[index] = keep(sqnorm_fp32(local) * (pre * pre))
         mean_shard = output.to(torch.float32) * (sum_scale / world)  # ḡ on this rank's shard
-        self._mean_sqnorm[index] = keep(dot_fp32(mean_shard, mean_shard))
+        self._mean_sqnorm[index] = keep(sqnorm_fp32(mean_shard))
         if self.direction == "sketch":
             assert self._sketcher is not None
             # Re-salted per step: the estimates' errors are independent from step to step.

@@ -11,8 +11,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: Elements per fp32 upcast when a bucket is bf16/fp16: bounds the temporary to 4 MiB.
-FP32_UPCAST_CHUNK_NUMEL = 2**20
+#: Elements per fp32 upcast when a bucket is bf16/fp16, (accelerator, host). On the host the 4 MiB
+#: temporary stays in cache. On a GPU every chunk costs kernel launches, ~10 µs of host time each on the
+#: autograd thread: at 2^20, a 1B-parameter bf16 model's three passes made ~2,800 chunks a step and cost
+#: ~130 ms of host time on an H100 (``benchmarks/hook_cost.py --profile``), so a GPU upcasts 16M elements
+#: (64 MiB) at a time, a whole 25 MiB DDP bucket in one.
+FP32_UPCAST_CHUNK_NUMEL = (2**24, 2**20)
+
+
+def upcast_chunk_numel(tensor: Any) -> int:
+    """Elements upcast at a time for ``tensor``'s device (:data:`FP32_UPCAST_CHUNK_NUMEL`)."""
+    return FP32_UPCAST_CHUNK_NUMEL[tensor.device.type == "cpu"]
 
 
 def accumulation_dtype(tensor: Any) -> Any:
@@ -22,6 +31,24 @@ def accumulation_dtype(tensor: Any) -> Any:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
+def sqnorm_fp32(a: Any) -> Any:
+    """‖a‖² of a 1-D tensor, accumulated in fp32 (fp64 for fp64), as a 0-d device tensor (no host sync).
+
+    On the host, :func:`dot_fp32` (its chunks stay in cache). On an accelerator, one reduction that upcasts
+    as it reads (``vector_norm`` with ``dtype=``), where upcasting a bf16 bucket to fp32 first writes twice
+    its size and reads it back: a third of the memory traffic.
+
+    >>> import torch
+    >>> float(sqnorm_fp32(torch.tensor([3.0, 4.0]).bfloat16()))
+    25.0
+    """
+    import torch
+
+    if a.device.type == "cpu":
+        return dot_fp32(a, a)
+    return torch.linalg.vector_norm(a, dtype=accumulation_dtype(a)).square()
+
+
 def dot_fp32(a: Any, b: Any) -> Any:
     """⟨a, b⟩ of two 1-D tensors, accumulated in fp32 (fp64 for fp64), as a 0-d device tensor (no host sync)."""
     import torch
@@ -29,7 +56,7 @@ def dot_fp32(a: Any, b: Any) -> Any:
     acc_dtype = accumulation_dtype(a)
     if a.dtype == acc_dtype and b.dtype == acc_dtype:
         return torch.dot(a, b)
-    step = FP32_UPCAST_CHUNK_NUMEL
+    step = upcast_chunk_numel(a)
     partials = [
         torch.dot(a[start : start + step].to(acc_dtype), b[start : start + step].to(acc_dtype)) for start in range(0, a.numel(), step)
     ]

@@ -64,6 +64,18 @@ def test_hook_cost_smoke_run_on_cpu(capsys):
     assert [line.split(" | ")[0] for line in table[-3:]] == ["| plain", "| sketch", "| exact"]
 
 
+@pytest.mark.multiprocess
+def test_hook_cost_profile_prints_the_arms_top_ops_and_writes_a_trace(capsys, tmp_path):
+    # --profile is how the GPU figures were taken apart (README); it must keep working where CI can run it.
+    with loaded_script("hook_cost") as hook_cost:
+        hook_cost.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+                        "--vocab", "256", "--seq", "32", "--steps", "1", "--warmup", "1", "--arms", "sketch",
+                        "--profile", "5", "--trace", str(tmp_path / "trace")])
+    out = capsys.readouterr().out
+    assert "profile of arm sketch, 1 steps, by self_cpu_time_total:" in out and "aten::" in out
+    assert (tmp_path / "trace-sketch.json").stat().st_size > 0
+
+
 def test_sketch_cost_table(capsys):
     with loaded_script("sketch_cost") as sketch_cost:
         import sys

@@ -155,3 +155,27 @@ def test_runs_bound_the_temporaries_without_changing_the_sketch(monkeypatch):
     whole = _sk(x, seed=6, bucket_id=3)
     monkeypatch.setattr(SK, "RUN_ELEMENTS", (62, 62))  # one segment (L = 62) per fold call
     assert torch.allclose(_sk(x, seed=6, bucket_id=3), whole, atol=1e-5)
+
+
+def test_the_accelerator_path_sketches_what_the_host_path_does(monkeypatch):
+    # A GPU takes other code (a fused fold in the gradient's dtype, cached rotations on the device, a
+    # zero-padded partial segment) to launch few kernels; run here on the host, it must give the host's
+    # sketch: ranks on different device types compare sketches. Heads, tails, chunk crossings, a start
+    # offset, runs of a few rows (rotated row by row) and of many (one gather), fp32 and bf16.
+    def sketch(x, start):  # p = 31, m = 2, L = 62, G = 16 segments a chunk
+        return SK.sketch_bucket(x, k=K, seed=8, bucket_id=2, m=M, chunk=62 * 16, start=start)
+
+    g = torch.Generator().manual_seed(11)
+    cases = [(torch.randn(40 * 62 + 17, generator=g), 0), (torch.randn(30 * 62 + 40, generator=g), 23)]
+    cases.append((torch.randn(35 * 62 + 5, generator=g).bfloat16(), 7))
+    host = [sketch(x, start) for x, start in cases]
+    monkeypatch.setattr(SK, "_host_path", lambda device: False)
+    for rows in (4, 16):
+        monkeypatch.setattr(SK, "RUN_ELEMENTS", (62 * rows, 62))
+        for (x, start), expected in zip(cases, host):
+            assert torch.allclose(sketch(x, start), expected, atol=1e-5)
+    monkeypatch.setattr(SK, "RUN_ELEMENTS", (1 << 24, 1 << 20))
+    big = torch.randn(3_000_003, generator=g).bfloat16()  # the default layout: p = 4093, m = 16, 45 rows gathered
+    expected = SK.sketch_bucket(big, k=4096, seed=1, bucket_id=5)
+    monkeypatch.setattr(SK, "_host_path", lambda device: True)
+    assert torch.allclose(SK.sketch_bucket(big, k=4096, seed=1, bucket_id=5), expected, atol=1e-3)
