@@ -61,7 +61,10 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        profiler = profile(activities=activities, schedule=torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps))
+        # The profiler's own warm-up is the last untimed step (one without would skew its first active step).
+        warm = min(1, args.warmup)
+        schedule = torch.profiler.schedule(wait=args.warmup - warm, warmup=warm, active=args.steps, repeat=1)
+        profiler = profile(activities=activities, schedule=schedule)
         profiler.start()
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
