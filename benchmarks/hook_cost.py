@@ -85,10 +85,11 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
     if profiler is not None:
         profiler.stop()
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        averages = profiler.key_averages()  # aggregated once: a GPU step has tens of thousands of events
         print(f"profile of arm {arm}, {args.steps} steps, by {sort}:")
-        print(profiler.key_averages().table(sort_by=sort, row_limit=args.profile))
+        print(averages.table(sort_by=sort, row_limit=args.profile))
         if device.type == "cuda":
-            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile))
         if args.trace:
             profiler.export_chrome_trace(f"{args.trace}-{arm.replace('+', '-')}.json")
     if monitor is not None:
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     )
     parser.add_argument("--trace", default="", metavar="PREFIX", help="with --profile: write each arm's chrome trace to PREFIX-ARM.json")
     args = parser.parse_args(argv)
+    if args.trace and not args.profile:
+        parser.error("--trace needs --profile ROWS (the trace is the profiler's)")
 
     import torch
     import torch.distributed as dist

@@ -224,8 +224,9 @@ def _row_moves(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[
 
 
 def segment_sign_bits(K: Any, g: Any) -> Any:
-    """Bit 0 of a 32-bit hash of (K, g): segment g's sign is eps = 1 - 2*bit. Python ints or int64
-    tensors alike, so the loop and the vectorised rotation draw the same signs.
+    """Bit 0 of a 32-bit hash of (K, g): segment g's sign is eps = 1 - 2*bit. Every path hashes Python ints
+    here (:func:`_row_moves`; an accelerator copies the result, :func:`_device_moves`); int64 tensors give
+    the same bits, as the hash's integer ops are the same ones :func:`sign_table` runs on tensors.
 
     >>> [segment_sign_bits(0x1234_5678_9ABC_DEF0, g) for g in range(8)]
     [1, 1, 1, 1, 1, 1, 0, 0]
