@@ -1,15 +1,15 @@
 """Where the sketch monitor's CPU goes on each rank: the plain and monitored step, and the monitor's pieces.
 
 The harness model of issue 13 on N gloo ranks, two DDP copies (plain, and monitored in
-sketch mode with ``every=1``) stepped alternately, one step each in turn. Per step, each rank measures its
-process CPU time for the whole step and, with ``time.thread_time``, the CPU its thread spent inside the
+sketch mode with ``every=1``; with ``--mode sketch-carry``, ``exchange="carry"``) stepped alternately,
+one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with ``time.thread_time``, the CPU its thread spent inside the
 monitor's comm hook, its after-the-all-reduce callback and ``end_step``, and inside the pieces those call
 (the sketch, the dot products, the packing, the gather's launch, the metrics). Prints the median over
 steps, per rank and over ranks, in ms.
 
 What the pieces do not show is the CPU of gloo's own threads: the step delta minus the monitor's pieces.
 
-    python benchmarks/hook_breakdown.py --nproc 8 --steps 40
+    python benchmarks/hook_breakdown.py --nproc 8 --steps 40 [--mode sketch-carry]
 
 The wrapping costs ~1 µs a call, a few dozen calls a step: noise against the figures.
 """
@@ -34,8 +34,10 @@ PIECES: tuple[tuple[str, str, str | None, str], ...] = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket", "hook (all of it)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_target", "  all-reduce target (buffer / world)"),
     ("healthcheck.measure.sketch", "FoldedSketch", "__call__", "  sketch"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_carry", "  carry: this rank's row (--mode sketch-carry)"),
     ("healthcheck.measure.runqueue", "read", None, "  run-queue clock (hook and end_step)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce", "after the all-reduce (all of it)"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_unload", "  the reduced bucket, carried rows taken out"),
     ("healthcheck.measure.monitor", "dot_fp32", None, "dot products (hook and callback)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "end_step", "end_step (all of it)"),
     ("healthcheck.measure.step_gather", "pack", None, "  pack the step vector"),
@@ -87,7 +89,7 @@ def medians(steps: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
 
 
-def breakdown_worker(steps: int, warmup: int, sketch_dim: int) -> list[dict[str, float]] | None:
+def breakdown_worker(steps: int, warmup: int, sketch_dim: int, mode: str = "sketch") -> list[dict[str, float]] | None:
     import torch
 
     from healthcheck.measure import distributed as hdist
@@ -97,11 +99,11 @@ def breakdown_worker(steps: int, warmup: int, sketch_dim: int) -> list[dict[str,
         hdist.set_worker_threads(info.local_world_size)
         # The probe's training settings (optimizer, clipping) around the harness's model and batches.
         config = overhead.probe_config_for("tiny-gpt2")
-        setting = overhead.Setting(model=overhead.HARNESS, modes=("sketch",), steps=steps, warmup=warmup, sketch_dim=sketch_dim)
+        setting = overhead.Setting(model=overhead.HARNESS, modes=(mode,), steps=steps, warmup=warmup, sketch_dim=sketch_dim)
         base = overhead.harness_model()
         generator = torch.Generator().manual_seed(1000 + info.rank)
         batches = [([overhead.harness_batch(generator)], overhead.HARNESS_BATCH * overhead.HARNESS_TOKENS) for _ in range(4)]
-        arms = {name: overhead.Arm(copy.deepcopy(base), name, setting, config) for name in (overhead.PLAIN, "sketch")}
+        arms = {name: overhead.Arm(copy.deepcopy(base), name, setting, config) for name in (overhead.PLAIN, mode)}
         for _ in range(warmup):
             for arm in arms.values():
                 arm.step(*batches[0])
@@ -112,13 +114,14 @@ def breakdown_worker(steps: int, warmup: int, sketch_dim: int) -> list[dict[str,
             for index in range(steps):
                 row: dict[str, float] = {}
                 # Alternate which arm goes first, so that neither always follows the other's cache traffic.
-                for name in (overhead.PLAIN, "sketch") if index % 2 else ("sketch", overhead.PLAIN):
+                for name in (overhead.PLAIN, mode) if index % 2 else (mode, overhead.PLAIN):
                     hdist.barrier()
                     totals.clear()
                     start = time.process_time()
                     arms[name].step(*batches[index % len(batches)])
-                    row[f"step, {name}"] = (time.process_time() - start) * 1000
-                    if name == "sketch":
+                    # The monitored arm is labelled "sketch" whatever its exchange (render's rows).
+                    row["step, plain" if name == overhead.PLAIN else "step, sketch"] = (time.process_time() - start) * 1000
+                    if name == mode:
                         row.update(totals)
                 rows.append(row)
         finally:
@@ -165,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sketch-dim", type=int, default=overhead.SKETCH_DIM)
+    parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY), default="sketch",
+                        help="the monitored arm: sketch mode with the all-gather, or with exchange='carry'")
     return parser.parse_args(argv)
 
 
@@ -173,9 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     from healthcheck.run import launcher
 
     results = launcher.launch_local(
-        breakdown_worker, args.nproc, args=(args.steps, args.warmup, args.sketch_dim), run_id="hook-breakdown"
+        breakdown_worker, args.nproc, args=(args.steps, args.warmup, args.sketch_dim, args.mode), run_id="hook-breakdown"
     )
-    print(f"# {overhead.HARNESS}, {args.nproc} ranks, {args.steps} steps per arm, sketch k={args.sketch_dim}, every=1")
+    print(f"# {overhead.HARNESS}, {args.nproc} ranks, {args.steps} steps per arm, {args.mode} k={args.sketch_dim}, every=1")
     print(render(results[0]))
 
 

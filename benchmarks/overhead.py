@@ -6,7 +6,12 @@ with DDP's built-in all-reduce and one arm per monitor mode (``sketch``, ``exact
 The arms take turns in blocks of ``--block`` steps, in an order shuffled every round (the same
 order on every rank), and every arm of a round trains on the same micro-batches, so drift and
 the neighbours' load on a shared machine hit all arms alike. An untimed barrier starts each
-block: otherwise one arm's rank skew would be charged to whichever arm runs next.
+block: otherwise one arm's rank skew would be charged to whichever arm runs next. Blocks are 8
+steps by default: an arm's asynchronous exchange finishes during the next step, so the last one of
+a block runs during another arm's block and is charged to it. With blocks of 2 that was half of the
+gathering arm's exchanges, which hid the gather's cost against ``sketch-carry`` (whose last rows ride
+on the same arm's next block): on the harness the two measured alike with blocks of 2 and 0.02 apart
+with blocks of 8 (README, Measured figures).
 
 Rank 0 times each full optimizer step with ``time.perf_counter``: forward+backward over the
 grad-accum micro-steps (on CPU the all-reduce finishes inside backward), ``end_step``, gradient
@@ -78,7 +83,7 @@ class Setting:
     modes: tuple[str, ...]
     steps: int
     warmup: int
-    block: int = 2
+    block: int = 8
     sketch_dim: int = SKETCH_DIM
     reduction_every: int = 0
     every: int = 1
@@ -371,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{SKETCH_CARRY}: sketch mode with exchange='carry')")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per arm (rounded up to whole blocks)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before measuring")
-    parser.add_argument("--block", type=int, default=2, help="consecutive steps an arm runs before the next arm's turn")
+    parser.add_argument("--block", type=int, default=8,
+                        help="consecutive steps an arm runs before the next arm's turn (see the docstring for why 8)")
     parser.add_argument("--scaling-nproc", type=int, default=None, help="world size for the other models (default: largest --nproc)")
     parser.add_argument("--scaling-steps", type=int, default=None, help="measured steps per arm for the other models (default: --steps)")
     parser.add_argument("--reduction-every", type=int, default=0, help="monitor reduction_every (0: off, the monitor's default)")

@@ -191,9 +191,9 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         asynchronous gather was. A bucket that is not fp32/fp64 cannot hold the rows exactly: the row then goes
         in an all-gather of its own, started here, at the same point on every rank.
 
-        Not the default: on the issue-13 harness (8 gloo ranks, 2 cores) it saved nothing measurable (1.053
-        against 1.062 in one interleaved run, 1.069 against 1.064 in another; README), and a rank that fails before the
-        next step's last all-reduce takes the step's numbers with it, where an all-gather started at
+        Not the default: on the issue-13 harness (8 gloo ranks, 2 cores) it saved at most ~2% of a step (0.00-0.02
+        in four interleaved runs; README, Measured figures), neither design meets 1.03 there, and a rank that fails
+        before the next step's last all-reduce takes the step's numbers with it, where an all-gather started at
         ``end_step`` still completes (README, Reliability). On a GPU an extra NCCL all-gather is a stream launch.
         """
         import torch

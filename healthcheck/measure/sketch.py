@@ -44,8 +44,8 @@ Cost: no state but the sign table (L floats per dtype and device, cached) and an
 table one segment long: every segment reads the same L entries, so the table stays in cache while the
 gradient streams past. The chunk-long table (4 MiB) of the previous fold came from memory at every
 call once a training step's activations had evicted it, and its multiply-then-sum wrote and re-read a
-gradient-sized buffer: in a DDP hook of the issue-13 harness model (2 ranks, buckets of 0.53M and
-0.26M elements) that sketch took 0.93-1.06 ms a bucket and this one 0.63-0.78 ms
+gradient-sized buffer: in a DDP hook of the issue-13 harness model (2 ranks, two buckets of 0.26M
+elements) that sketch took 0.93-1.06 ms a bucket and this one 0.63-0.78 ms
 (``benchmarks/sketch_cost.py`` measures ns per element, cold and warm).
 
 On an accelerator (:func:`_host_path`) the same sketch is computed with few, large kernels, because each

@@ -15,6 +15,7 @@ it waiting for the slowest rank to arrive; an asynchronous one costs what it tak
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import Any, Mapping, Optional
@@ -202,15 +203,51 @@ def carried_row(inflight: InFlight, dtype: Any) -> Any:
 
     width = len(HEADER) + len(inflight.names)
     flat = inflight.source
-    mantissa, exponent = torch.frexp(flat[:width])
+    if flat.device.type == "cpu":
+        # A dozen values: Python floats cost ~20 µs where the tensor ops below cost ~100 µs of the
+        # autograd thread a step (benchmarks/hook_breakdown.py --mode sketch-carry); same bits.
+        header = torch.tensor(split_header(flat[:width].tolist(), dtype), dtype=dtype)
+    else:
+        header = _split_header_tensor(flat[:width], dtype)
+    sketch = flat[width:].view(torch.float32)[: inflight.sketch_dim].to(dtype)
+    return torch.cat([header, sketch])
+
+
+def split_header(values: list[float], dtype: Any) -> list[float]:
+    """:func:`carried_row`'s header layout, from Python floats: three ``dtype`` parts of each value's
+    ``frexp`` mantissa, then the exponents (a non-finite value travels whole in its first part).
+
+    >>> import torch
+    >>> split_header([1 / 3, float("inf")], torch.float32)
+    [0.6666666865348816, inf, -1.9868215517249155e-08, 0.0, 5.551115123125783e-16, 0.0, -1.0, 0.0]
+    >>> sum(split_header([1 / 3], torch.float32)[:3]) == 2 / 3
+    True
+    """
+    import torch
+
+    pairs = [math.frexp(value) for value in values]
+    rest = [mantissa for mantissa, _ in pairs]
+    parts: list[float] = []
+    for _ in range(CARRY_PARTS):
+        # array("f") rounds each double to the nearest fp32, as ``tensor.to(torch.float32)`` does.
+        part = rest if dtype == torch.float64 else array.array("f", rest).tolist()
+        parts.extend(part)
+        rest = [r - q if math.isfinite(q) else 0.0 for r, q in zip(rest, part)]
+    return parts + [float(exponent) for _, exponent in pairs]
+
+
+def _split_header_tensor(header: Any, dtype: Any) -> Any:
+    """:func:`split_header` with tensor ops (an accelerator's vector stays on its device: no host sync)."""
+    import torch
+
+    mantissa, exponent = torch.frexp(header)
     rest, parts = mantissa, []
     for _ in range(CARRY_PARTS):
         part = rest.to(dtype)
         parts.append(part)
         # inf - inf is NaN: a non-finite value travels whole in its first part.
         rest = torch.where(torch.isfinite(part), rest - part.to(torch.float64), 0.0)
-    sketch = flat[width:].view(torch.float32)[: inflight.sketch_dim].to(dtype)
-    return torch.cat([*parts, exponent.to(dtype), sketch])
+    return torch.cat([*parts, exponent.to(dtype)])
 
 
 def carried_width(inflight: InFlight) -> int:

@@ -72,6 +72,16 @@ def test_a_carried_row_comes_back_bit_for_bit(values, sketch, extra, dtype):
     assert sent.rows[0, (step_gather.CARRY_PARTS + 1) * width :].tolist() == [float(torch.tensor(v)) for v in sketch]
 
 
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(header_value, min_size=1, max_size=12), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_the_host_split_is_the_tensor_split_bit_for_bit(values, dtype):
+    # The host builds the header from Python floats (cheaper), an accelerator with tensor ops: the same row.
+    host = torch.tensor(step_gather.split_header(values, dtype), dtype=dtype)
+    device = step_gather._split_header_tensor(torch.tensor(values, dtype=torch.float64), dtype)
+    assert host.dtype == device.dtype and host.shape == device.shape
+    assert _bits(host.double().tolist()) == _bits(device.double().tolist())
+
+
 def test_every_rank_gets_every_row_and_the_metrics_follow():
     world = 3
     sent = [_carried([0.5 + r, 10 + r, 4.0 * (r + 1), 1.0, 0.25], [1.0, float(r), -1.0], {"compute_ms": 7.0 * r}) for r in range(world)]
