@@ -2,9 +2,10 @@
 
 The harness model of issue 13 on N gloo ranks, two DDP copies (plain, and monitored in
 sketch mode with ``every=1``; with ``--mode sketch-carry``, ``exchange="carry"``) stepped alternately,
-one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with ``time.thread_time``, the CPU its thread spent inside the
-monitor's comm hook, its after-the-all-reduce callback and ``end_step``, and inside the pieces those call
-(the sketch, the dot products, the packing, the gather's launch, the metrics). Prints the median over
+one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with
+``time.thread_time``, the CPU its thread spent inside the monitor's comm hook, its after-the-all-reduce
+callback and ``end_step``, and inside the pieces those call (the sketch, the dot products, the packing,
+the gather's launch or the carried row, the metrics). Prints the median over
 steps, per rank and over ranks, in ms.
 
 What the pieces do not show is the CPU of gloo's own threads: the step delta minus the monitor's pieces.

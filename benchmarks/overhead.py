@@ -10,8 +10,8 @@ block: otherwise one arm's rank skew would be charged to whichever arm runs next
 steps by default: an arm's asynchronous exchange finishes during the next step, so the last one of
 a block runs during another arm's block and is charged to it. With blocks of 2 that was half of the
 gathering arm's exchanges, which hid the gather's cost against ``sketch-carry`` (whose last rows ride
-on the same arm's next block): on the harness the two measured alike with blocks of 2 and 0.02 apart
-with blocks of 8 (README, Measured figures).
+on the same arm's next block): on the harness the two measured alike with blocks of 2, and 0.00-0.02
+apart in four runs with blocks of 8 (README, Measured figures).
 
 Rank 0 times each full optimizer step with ``time.perf_counter``: forward+backward over the
 grad-accum micro-steps (on CPU the all-reduce finishes inside backward), ``end_step``, gradient

@@ -204,8 +204,9 @@ def carried_row(inflight: InFlight, dtype: Any) -> Any:
     width = len(HEADER) + len(inflight.names)
     flat = inflight.source
     if flat.device.type == "cpu":
-        # A dozen values: Python floats cost ~20 µs where the tensor ops below cost ~100 µs of the
-        # autograd thread a step (benchmarks/hook_breakdown.py --mode sketch-carry); same bits.
+        # A dozen values: as Python floats the row costs ~50 µs on a quiet core, with the ~20 tensor ops
+        # below ~110 µs (0.17 against 0.27 ms a step with 8 ranks on 2 cores: benchmarks/hook_breakdown.py
+        # --mode sketch-carry); the same bits (tests/unit/measure/test_step_gather.py).
         header = torch.tensor(split_header(flat[:width].tolist(), dtype), dtype=dtype)
     else:
         header = _split_header_tensor(flat[:width], dtype)
@@ -232,7 +233,7 @@ def split_header(values: list[float], dtype: Any) -> list[float]:
         # array("f") rounds each double to the nearest fp32, as ``tensor.to(torch.float32)`` does.
         part = rest if dtype == torch.float64 else array.array("f", rest).tolist()
         parts.extend(part)
-        rest = [r - q if math.isfinite(q) else 0.0 for r, q in zip(rest, part)]
+        rest = [r - q if math.isfinite(q) else 0.0 for r, q in zip(rest, part, strict=True)]
     return parts + [float(exponent) for _, exponent in pairs]
 
 
