@@ -376,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{SKETCH_CARRY}: sketch mode with exchange='carry')")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per arm (rounded up to whole blocks)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before measuring")
-    parser.add_argument("--block", type=int, default=8,
+    parser.add_argument("--block", type=int, default=Setting.block,
                         help="consecutive steps an arm runs before the next arm's turn (see the docstring for why 8)")
     parser.add_argument("--scaling-nproc", type=int, default=None, help="world size for the other models (default: largest --nproc)")
     parser.add_argument("--scaling-steps", type=int, default=None, help="measured steps per arm for the other models (default: --steps)")
