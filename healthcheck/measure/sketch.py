@@ -48,6 +48,10 @@ gradient-sized buffer: in a DDP hook of the issue-13 harness model (2 ranks, two
 elements) that sketch took 0.93-1.06 ms a bucket and this one 0.63-0.78 ms
 (``benchmarks/sketch_cost.py`` measures ns per element, cold and warm).
 
+How a bucket is cut into runs and partial segments is pure arithmetic (:func:`plan`, cached per bucket);
+two executors follow it. The host's is numpy (:func:`_sketch_host`): a small model's bucket is a few
+segments, and torch's per-op overhead (~5 µs, more on a host shared by several ranks) was most of the cost.
+
 On an accelerator (:func:`_host_path`) the same sketch is computed with few, large kernels, because each
 launch costs host time on the autograd thread: the fold multiplies in the gradient's dtype and sums in
 fp32, many rows rotate in one gather, a partial segment folds as a zero-padded full one, and each run's
@@ -58,182 +62,29 @@ parameter). On an H100 this took a 1.07B-element bf16 bucket from 0.05 to 0.01 n
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+import numpy as np
 import torch
 
-_M64 = (1 << 64) - 1
-_M32 = (1 << 32) - 1
+from healthcheck.measure.sketch_layout import (  # noqa: F401  (re-exported: the sketch's public layout helpers)
+    Layout,
+    Piece,
+    _chunk_params,
+    _parange,
+    _row_moves,
+    get_layout,
+    largest_prime_leq,
+    plan,
+    safe_sketch_size,
+    segment_sign_bits,
+    sign_table,
+    sketch_dim,
+)
 
-FOLD_SPAN = 1 << 16  # the default fold depth keeps a segment (and so the sign table) near this many elements
-MAX_M = 16  # and never folds deeper than this
-_LOOP_MAX_ROWS = 8  # a GPU rotates more rows than this with one gather (a CPU always adds row by row)
+_LOOP_MAX_ROWS = 8  # a GPU rotates more rows than this with one gather (the host adds row by row)
 #: Elements per fold call, (accelerator, host): a GPU's fewer, larger calls launch fewer kernels.
 RUN_ELEMENTS = (1 << 24, 1 << 20)
-
-
-# --------------------------------------------------------------------------------------
-# integer hashing (pure python for scalars, overflow-free torch int64 for tensors)
-# --------------------------------------------------------------------------------------
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def _key(*parts: int) -> int:
-    h = 0x6A09E667F3BCC909
-    for q in parts:
-        h = _splitmix64(h ^ (int(q) & _M64))
-    return h
-
-
-def _mulmod32(h: Any, c: int) -> Any:
-    """(h * c) mod 2^32 for int64 h in [0, 2^32) without int64 overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h: Any) -> Any:
-    """murmur3 finalizer (a bijection of [0, 2^32)), on int64 tensors."""
-    h = h ^ (h >> 16)
-    h = _mulmod32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mulmod32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-# --------------------------------------------------------------------------------------
-# layout and constant tables
-# --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def largest_prime_leq(k: int) -> int:
-    """The largest prime <= k (the sketch's bins).
-
-    >>> largest_prime_leq(4096), largest_prime_leq(1024), largest_prime_leq(16384)
-    (4093, 1021, 16381)
-    """
-    if k < 2:
-        raise ValueError("k must be >= 2")
-    for q in range(k, 1, -1):
-        if q < 4 or all(q % d for d in range(2, math.isqrt(q) + 1)):
-            return q
-    raise AssertionError
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of the fold, a function of (k, m, chunk) only: never of the model."""
-
-    k: int  # requested sketch size
-    p: int  # bins actually used (largest prime <= k); sketch length
-    m: int  # fold depth: a segment is L = m*p elements
-    G: int  # segments per chunk (<= p)
-    L: int  # segment length == sign-table length
-    T: int  # chunk length
-
-
-@functools.lru_cache(maxsize=None)
-def get_layout(k: int, m: Optional[int] = None, chunk: Optional[int] = None) -> Layout:
-    """The fold for a requested size k: p bins, fold depth m (default: the deepest, up to MAX_M, whose
-    segment fits FOLD_SPAN), and G = p segments per chunk unless ``chunk`` asks for fewer.
-
-    >>> get_layout(4096)
-    Layout(k=4096, p=4093, m=16, G=4093, L=65488, T=268042384)
-    """
-    p = largest_prime_leq(int(k))
-    if m is None:  # deepest fold (cheapest rotation) whose segment stays near FOLD_SPAN
-        m = max(1, min(MAX_M, FOLD_SPAN // p))
-    m = int(m)
-    L = m * p
-    # G <= p keeps the affine segment rotations of a chunk pairwise independent
-    G = p if chunk is None else max(1, min(p, int(chunk) // L))
-    return Layout(k=int(k), p=p, m=m, G=G, L=L, T=G * L)
-
-
-def safe_sketch_size(k: int, dims: Iterable[int]) -> int:
-    """Largest prime p <= k that divides none of `dims` (e.g. all tensor dimensions of the
-    model).  The fold's only weak spot is energy that is periodic with period p, which for
-    real models can only come from a dimension that is a multiple of p; pass the result as
-    `k` to sketch_bucket (it is its own largest prime) on every rank.
-
-    >>> safe_sketch_size(4096, [4093 * 2, 64]), safe_sketch_size(4096, [4096, 11008])
-    (4091, 4093)
-    """
-    dims = [int(d) for d in dims if int(d) > 1]
-    q = int(k)
-    while True:
-        p = largest_prime_leq(q)
-        if all(d % p for d in dims):
-            return p
-        q = p - 1
-
-
-def sketch_dim(k: int) -> int:
-    """Length of the sketch produced for a requested size k (largest prime <= k)."""
-    return largest_prime_leq(int(k))
-
-
-_TABLES: dict[tuple[int, int, str, Any], Any] = {}
-_TABLE_CACHE_SIZE = 8
-
-
-def sign_table(seed: int, L: int, device: Any, dtype: Any = torch.float32) -> Any:
-    """Random +-1 table of length L (one segment), a function of (seed, L) only; cached.
-
-    Small on purpose: every segment of every bucket reads the same L entries, so the table stays in
-    cache while the gradient streams past (a table as long as the chunk came from memory at every call,
-    which in a training step, whose activations evict it, doubled the sketch's cost)."""
-    dev = torch.device(device)
-    key = (int(seed), int(L), str(dev), dtype)
-    tab = _TABLES.get(key)
-    if tab is None:
-        K = _key(seed, L, 0x7A7)
-        nw = (L + 31) // 32  # one 32-bit hash word gives 32 signs
-        w = torch.arange(nw, dtype=torch.int64, device=dev)
-        w = _fmix32(_fmix32(w ^ (K & _M32)) ^ (K >> 32))
-        bits = (w[:, None] >> torch.arange(32, dtype=torch.int64, device=dev)) & 1
-        tab = (1 - 2 * bits.reshape(-1)[:L]).to(dtype)
-        if len(_TABLES) >= _TABLE_CACHE_SIZE:
-            _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = tab
-    return tab
-
-
-@functools.lru_cache(maxsize=64)
-def _parange(p: int, device: str) -> Any:
-    return torch.arange(p, dtype=torch.int64, device=torch.device(device))
-
-
-@functools.lru_cache(maxsize=4096)
-def _chunk_params(seed: int, bucket_id: int, c: int, p: int) -> tuple[int, int, int]:
-    """(K_c, a_c, b_c): the chunk's sign key and its rotation rule r_g = (a_c*g + b_c) mod p."""
-    h1 = _key(seed, bucket_id, c, 1)
-    h2 = _splitmix64(h1)
-    return h1, h2 % p, (h2 >> 32) % p
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_moves(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[int, float], ...]:
-    """(r_g, eps_g) of segments g0 .. g0+nb-1: where each folded row goes and with which sign (cached:
-    a DDP bucket asks for the same rows every step)."""
-    return tuple(((a * g + b) % p, -1.0 if segment_sign_bits(K, g) else 1.0) for g in range(g0, g0 + nb))
-
-
-def segment_sign_bits(K: Any, g: Any) -> Any:
-    """Bit 0 of a 32-bit hash of (K, g): segment g's sign is eps = 1 - 2*bit. Every path hashes Python ints
-    here (:func:`_row_moves`; an accelerator copies the result, :func:`_device_moves`); int64 tensors give
-    the same bits, as the hash's integer ops are the same ones :func:`sign_table` runs on tensors.
-
-    >>> [segment_sign_bits(0x1234_5678_9ABC_DEF0, g) for g in range(8)]
-    [1, 1, 1, 1, 1, 1, 0, 0]
-    >>> segment_sign_bits(0x1234_5678_9ABC_DEF0, torch.arange(8)).tolist()
-    [1, 1, 1, 1, 1, 1, 0, 0]
-    """
-    return _fmix32(_fmix32(g ^ (K & _M32)) ^ ((K >> 32) & _M32)) & 1
 
 
 # --------------------------------------------------------------------------------------
@@ -265,92 +116,125 @@ def sketch_bucket(
     Returns: fp32 tensor of shape [p] (or `out`).
     """
     lay = get_layout(int(k), m, chunk)
-    p, mm, L, T = lay.p, lay.m, lay.L, lay.T
     x = x.reshape(-1)
-    dev = x.device
-    host = _host_path(dev)
-    # A GPU folds in the gradient's own dtype: the table is +-1, so the products are exact in any float
-    # dtype, and the fold's temporary is half the size of an fp32 one for bf16 (the sum accumulates in fp32).
-    tau = sign_table(seed, L, dev, torch.float32 if host else x.dtype)
-    # Doubled: a row rotated by r is one add into acc2[r : r + p]; the two halves are summed at the end.
-    acc2 = torch.zeros(2 * p, dtype=torch.float32, device=dev)
-    # Segments per fold call: the fold's temporaries (a GPU's signed copy, the host's [run, p]
-    # accumulator) stay ~RUN_ELEMENTS whatever the bucket (an FSDP group's gradient can be gigabytes).
-    per_run = max(1, RUN_ELEMENTS[host] // L)
-    partial = _partial if host else _partial_padded
-    n = x.numel()
-    i = 0
-    while i < n:
-        pos = start + i
-        c, t = divmod(pos, T)
-        take = min(n - i, T - t)
-        K, a, b = _chunk_params(seed, bucket_id, c, p)
-        g, u = divmod(t, L)
-        j = 0
-        if u:  # head: partial segment
-            h = min(take, L - u)
-            partial(acc2, x[i : i + h], tau, u, _row_moves(K, a, b, g, 1, p)[0])
-            j, g = h, g + 1
-        nb = (take - j) // L
-        while nb:  # body: full segments, in runs that bound the temporaries
-            run = min(nb, per_run)
-            xs, tab = x[i + j : i + j + run * L].view(run, mm, p), tau.view(mm, p)
-            if host or run <= _LOOP_MAX_ROWS:
-                _rotate_rows(acc2, _fold_rows(xs, tab) if host else _fold_fused(xs, tab), g, K, a, b)
-            else:
-                _rotate_gather(acc2, _fold_fused(xs, tab), g, K, a, b)
-            j += run * L
-            g += run
-            nb -= run
-        if j < take:  # tail: partial segment
-            partial(acc2, x[i + j : i + take], tau, 0, _row_moves(K, a, b, g, 1, p)[0])
-        i += take
-    acc = acc2[:p].add_(acc2[p:])
+    host = _host_path(x.device)
+    # Segments per fold call: the fold's temporaries (a GPU's signed copy, the host's upcast run) stay
+    # ~RUN_ELEMENTS whatever the bucket (an FSDP group's gradient can be gigabytes).
+    pieces = plan(x.numel(), int(start), lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS[host] // lay.L))
+    if host:
+        acc = torch.from_numpy(_sketch_host(x, pieces, sign_table(seed, lay.L, x.device).numpy(), lay.p, lay.m))
+    else:
+        acc = _sketch_accelerator(x, pieces, lay, seed)
     if out is None:
         return acc
-    out.view(-1)[:p].add_(acc)
+    out.view(-1)[: lay.p].add_(acc)
     return out
 
 
 def _host_path(device: Any) -> bool:
-    """Whether ``device`` takes the host's path (row loops that stay in cache) or an accelerator's (few,
-    large kernels: a GPU pays ~10 µs of host time per launch, and a comm hook runs on the autograd thread).
+    """Whether ``device`` takes the host's path (numpy, whose calls cost ~1 µs where a torch op costs ~5) or an
+    accelerator's (few, large kernels: a GPU pays ~10 µs of host time per launch, and a comm hook runs on the
+    autograd thread).
 
     The two paths compute the same sketch up to fp32 rounding (tests/unit/measure/test_sketch.py)."""
     return device.type == "cpu"
 
 
-def _fold_rows(xs: Any, tau: Any) -> Any:
-    """F[g] = sum_q tau[q] * xs[g, q] in fp32: the signed fold of nb full segments ([nb, m, p] -> [nb, p]).
+def _sketch_host(x: Any, pieces: tuple[Piece, ...], tau: Any, p: int, m: int) -> Any:
+    """The sketch of ``x`` (a CPU tensor) by numpy: ``[p]`` fp32.
 
-    The host's: one multiply-add per fold row into an [nb, p] accumulator. The signed segments are never
-    written out, so the pass reads the gradient once, where a multiply-then-sum writes and re-reads a
-    gradient-sized buffer. bf16/fp16 rows are promoted by the ops themselves (the table is fp32)."""
-    acc = torch.mul(xs[:, 0], tau[0])
-    for q in range(1, xs.shape[1]):
-        acc.addcmul_(xs[:, q], tau[q])
-    return acc
+    Why numpy: a DDP bucket of a small model is a few segments, and the torch row loop spent most of its time
+    in per-op overhead: a 263K-element bucket took 215 µs by torch ops and takes 94 µs (the same bits) here,
+    a 6.5M-element one 3.4 against 2.1 ms (one quiet core; ``benchmarks/sketch_cost.py``). The fold is one
+    ``einsum`` per run, which multiplies and sums in one loop: the signed segments are never written out, so
+    the pass reads the gradient once. bf16/fp16 (numpy has no bf16) are upcast to fp32 piece by piece.
+    """
+    # Doubled: a row rotated by r is one add into acc2[r : r + p]; the two halves are summed at the end.
+    acc2 = np.zeros(2 * p, dtype=np.float32)
+    table = tau.reshape(m, p)
+    # fp32/fp64 are read in place; numpy has no bf16, so a half-precision piece is upcast when its turn comes.
+    whole = x.detach().numpy() if x.dtype in (torch.float32, torch.float64) else None
+    for piece in pieces:
+        xs = whole[piece.lo : piece.hi] if whole is not None else x[piece.lo : piece.hi].float().numpy()
+        if piece.rows:
+            _rotate_rows_host(acc2, _fold_host(xs.reshape(piece.rows, m, p), table), piece.moves(p))
+        else:
+            _partial_host(acc2, xs, tau, piece.u, piece.moves(p)[0])
+    return acc2[:p] + acc2[p:]
+
+
+def _fold_host(xs: Any, table: Any) -> Any:
+    """F[g] = sum_q table[q] * xs[g, q] ([nb, m, p] -> [nb, p]) in one loop: no signed copy of the gradient."""
+    return np.einsum("gqj,qj->gj", xs, table)
+
+
+def _rotate_rows_host(acc2: Any, F: Any, moves: tuple[tuple[int, float], ...]) -> None:
+    """acc2[r_g : r_g + p] += eps_g * F[g]: one add per row."""
+    p = F.shape[1]
+    for row, (r, eps) in zip(F, moves, strict=True):
+        if eps > 0:
+            acc2[r : r + p] += row
+        else:
+            acc2[r : r + p] -= row
+
+
+def _partial_host(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float]) -> None:
+    """Elements xs occupy segment positions [u, u+len) of a segment whose row goes to offset r with sign eps.
+
+    Position u+i lands in bin ((u+i) mod p + r) mod p: cut at multiples of p, each piece is one add
+    into the doubled accumulator (no padding, no roll)."""
+    r, eps = move
+    p = acc2.size // 2
+    prod = xs * tau[u : u + xs.size]
+    if eps < 0:
+        np.negative(prod, out=prod)
+    i = 0
+    while i < prod.size:
+        lead = (u + i) % p
+        piece = prod[i : i + p - lead]
+        acc2[lead + r : lead + r + piece.size] += piece
+        i += piece.size
+
+
+def _sketch_accelerator(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int) -> Any:
+    """The sketch of ``x`` on an accelerator, in few, large kernels: ``[p]`` fp32 on ``x``'s device."""
+    p, m = lay.p, lay.m
+    # The fold multiplies in the gradient's own dtype: the table is +-1, so the products are exact in any
+    # float dtype, and the fold's temporary is half the size of an fp32 one for bf16 (the sum is fp32).
+    tau = sign_table(seed, lay.L, x.device, x.dtype)
+    acc2 = torch.zeros(2 * p, dtype=torch.float32, device=x.device)
+    for piece in pieces:
+        xs = x[piece.lo : piece.hi]
+        if not piece.rows:
+            _partial_padded(acc2, xs, tau, piece.u, piece.moves(p)[0])
+            continue
+        F = _fold_fused(xs.view(piece.rows, m, p), tau.view(m, p))
+        if piece.rows <= _LOOP_MAX_ROWS:
+            _rotate_rows(acc2, F, piece.moves(p))
+        else:
+            _rotate_gather(acc2, F, piece)
+    return acc2[:p].add_(acc2[p:])
 
 
 def _fold_fused(xs: Any, tau: Any) -> Any:
-    """The same fold on an accelerator: one broadcast multiply and one fp32 reduction (two kernels, where
-    the row loop would launch m)."""
+    """The fold on an accelerator: one broadcast multiply and one fp32 reduction (two kernels, where a row
+    loop would launch m)."""
     return (xs * tau).sum(1, dtype=torch.float32)
 
 
-def _rotate_rows(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
-    """acc2 += eps_g * F[g] at offset r_{g0+g} of the doubled accumulator: one add per row (the host's
-    path, and an accelerator's for a few rows)."""
-    nb, p = F.shape
-    for q, (r, eps) in enumerate(_row_moves(K, a, b, g0, nb, p)):
+def _rotate_rows(acc2: Any, F: Any, moves: tuple[tuple[int, float], ...]) -> None:
+    """acc2 += eps_g * F[g] at offset r_g of the doubled accumulator: one add per row (an accelerator's path
+    for a few rows)."""
+    p = F.shape[1]
+    for q, (r, eps) in enumerate(moves):
         acc2[r : r + p].add_(F[q], alpha=eps)
 
 
-def _rotate_gather(acc2: Any, F: Any, g0: int, K: int, a: int, b: int) -> None:
+def _rotate_gather(acc2: Any, F: Any, piece: Piece) -> None:
     """The same rotation of many rows on an accelerator, in a constant number of kernels whatever the rows:
     row g's element i lands in bin (i + r_g) mod p, so bin j gathers F[g, (j - r_g) mod p]."""
     nb, p = F.shape
-    r, eps = _device_moves(K, a, b, g0, nb, p, str(F.device))
+    r, eps = _device_moves(piece.K, piece.a, piece.b, piece.g, nb, p, str(F.device))
     idx = torch.remainder(_parange(p, str(F.device)) - r[:, None], p)
     acc2[:p].add_((torch.gather(F, 1, idx) * eps[:, None]).sum(0))
 
@@ -366,25 +250,9 @@ def _device_moves(K: int, a: int, b: int, g0: int, nb: int, p: int, device: str)
     return rotations, signs
 
 
-def _partial(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float]) -> None:
-    """Elements xs occupy segment positions [u, u+len) of a segment whose row goes to offset r with sign eps.
-
-    Position u+i lands in bin ((u+i) mod p + r) mod p: cut at multiples of p, each piece is one add
-    into the doubled accumulator (no padding, no roll)."""
-    r, eps = move
-    p = acc2.numel() // 2
-    prod = (xs * tau[u : u + xs.numel()]).float()
-    i = 0
-    while i < prod.numel():
-        lead = (u + i) % p
-        piece = prod[i : i + p - lead]
-        acc2[lead + r : lead + r + piece.numel()].add_(piece, alpha=eps)
-        i += piece.numel()
-
-
 def _partial_padded(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float]) -> None:
-    """:func:`_partial` on an accelerator: the elements placed at [u, u+len) of a zeroed segment, folded as a
-    full one (five kernels, where the pieces would take one add per p elements)."""
+    """A partial segment on an accelerator: the elements placed at [u, u+len) of a zeroed segment, folded as a
+    full one (five kernels, where the host's pieces would take one add per p elements)."""
     r, eps = move
     p = acc2.numel() // 2
     segment = xs.new_zeros(tau.numel())

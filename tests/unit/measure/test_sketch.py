@@ -78,19 +78,19 @@ def test_piecewise_and_out_accumulation():
 
 
 def test_host_and_gpu_paths_agree():
-    """The host's row-by-row fold and rotation compute what the GPU's fused fold and gather compute."""
+    """The host's numpy fold and row-by-row rotation compute what the GPU's fused fold and gather compute."""
     g = torch.Generator().manual_seed(4)
     for k in (32, 1024, 16384):
         lay = SK.get_layout(k)
         nb = 11
         xs = torch.randn(nb, lay.m, lay.p, generator=g)
         tau = SK.sign_table(5, lay.L, "cpu").view(lay.m, lay.p)
-        rows, fused = SK._fold_rows(xs, tau), SK._fold_fused(xs, tau)
+        rows, fused = torch.from_numpy(SK._fold_host(xs.numpy(), tau.numpy())), SK._fold_fused(xs, tau)
         assert torch.allclose(rows, fused, atol=1e-4), (rows - fused).abs().max()
-        key, a, b = SK._chunk_params(5, 1, 0, lay.p)
+        piece = SK.Piece(0, nb * lay.L, 0, nb, 3, *SK._chunk_params(5, 1, 0, lay.p))
         by_rows, by_gather = torch.zeros(2 * lay.p), torch.zeros(2 * lay.p)
-        SK._rotate_rows(by_rows, rows, 3, key, a, b)
-        SK._rotate_gather(by_gather, rows, 3, key, a, b)
+        SK._rotate_rows_host(by_rows.numpy(), rows.numpy(), piece.moves(lay.p))
+        SK._rotate_gather(by_gather, rows, piece)
         folded = by_rows[: lay.p] + by_rows[lay.p :]
         assert torch.allclose(folded, by_gather[: lay.p] + by_gather[lay.p :], atol=1e-3)
 
