@@ -66,6 +66,7 @@ def dot_fp32(a: Any, b: Any) -> Any:
     acc_dtype = accumulation_dtype(a)
     if a.dtype == acc_dtype and b.dtype == acc_dtype:
         return torch.dot(a, b)
+    # Never on the host, even once torch has the kernel there: the host's numerics (and baselines) stay the chunks'.
     if a.dtype == b.dtype and a.device.type != "cpu" and half_dot_in_one_gemm(a.device.type, a.dtype):
         return torch.mm(a.reshape(1, -1), b.reshape(-1, 1), out_dtype=acc_dtype).reshape(())
     step = upcast_chunk_numel(a)

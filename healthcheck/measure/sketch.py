@@ -122,7 +122,7 @@ def sketch_bucket(
     # ~RUN_ELEMENTS whatever the bucket (an FSDP group's gradient can be gigabytes).
     pieces = plan(x.numel(), int(start), lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS[host] // lay.L))
     if host:
-        acc = torch.from_numpy(_sketch_host(x, pieces, sign_table(seed, lay.L, x.device).numpy(), lay.p, lay.m))
+        acc = torch.from_numpy(_sketch_host(x, pieces, lay, seed))
     else:
         acc = _sketch_accelerator(x, pieces, lay, seed)
     if out is None:
@@ -140,7 +140,7 @@ def _host_path(device: Any) -> bool:
     return device.type == "cpu"
 
 
-def _sketch_host(x: Any, pieces: tuple[Piece, ...], tau: Any, p: int, m: int) -> Any:
+def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int) -> Any:
     """The sketch of ``x`` (a CPU tensor) by numpy: ``[p]`` fp32.
 
     Why numpy: a DDP bucket of a small model is a few segments, and the torch row loop spent most of its time
@@ -149,9 +149,11 @@ def _sketch_host(x: Any, pieces: tuple[Piece, ...], tau: Any, p: int, m: int) ->
     ``einsum`` per run, which multiplies and sums in one loop: the signed segments are never written out, so
     the pass reads the gradient once. bf16/fp16 (numpy has no bf16) are upcast to fp32 piece by piece.
     """
+    p, m = lay.p, lay.m
+    tau = sign_table(seed, lay.L, x.device).numpy()
+    table = tau.reshape(m, p)
     # Doubled: a row rotated by r is one add into acc2[r : r + p]; the two halves are summed at the end.
     acc2 = np.zeros(2 * p, dtype=np.float32)
-    table = tau.reshape(m, p)
     # fp32/fp64 are read in place; numpy has no bf16, so a half-precision piece is upcast when its turn comes.
     whole = x.detach().numpy() if x.dtype in (torch.float32, torch.float64) else None
     for piece in pieces:
