@@ -84,7 +84,8 @@ def straggler_outcome(rows: Sequence[dict[str, Any]], world: int, factor: float,
     """The stragglers audit on the steps.jsonl rows: each step's best timing that every rank has.
 
     busy_ms (the monitor's: from the previous all-reduce's end, a moment all ranks share, to this rank's
-    last gradient bucket, less the time its thread waited for a core on a CPU host) when the step has it
+    last gradient bucket, less its waits on the other ranks in between (:mod:`healthcheck.measure.wait_clock`)
+    and the time its thread waited for a core on a CPU host) when the step has it
     for every rank; runs recorded before it have cycle_ms. compute_ms ends at the all-reduce, also
     shared, so a rank that merely starts late looks fast in it. A rank that shared its host's cores with
     no run-queue clock (``runq_ms`` None, see :mod:`healthcheck.measure.records`) still has the waits for

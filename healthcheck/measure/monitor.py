@@ -141,14 +141,23 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
+        self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
+        self._model = model
+        # DDP's forward broadcasts the buffers from rank 0: a wait on the others inside the step (wait_clock.py).
+        # A private method: where a torch lacks it, the broadcast is not timed.
+        if callable(getattr(model, "_sync_buffers", None)):
+            model._sync_buffers = self._timed(model._sync_buffers)  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------- hook side
 
     def _reduce_bucket(self, bucket: Any) -> Any:
         self._arrived = time.perf_counter()  # the last bucket of a step marks the end of its backward compute
+        self._waited_at_arrival = self._wait_clock.total
         buffer = bucket.buffer()
         if buffer.device.type == "cpu":
+            if bucket.is_last():
+                self._queue_release()
             # On a host shared by more ranks than cores, the time this rank sat waiting for a core is not
             # its own slowness (measure/runqueue.py); on a GPU the wait is the device's, so nothing is read.
             self._queued_at_arrival = runqueue.read()
@@ -179,6 +188,46 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         assert self._sketcher is not None
         self._sketch[index] = self._sketcher(index, buffer)
         return future.then(functools.partial(self._after_reduce, index, buffer))
+
+    def _timed(self, method: Any) -> Any:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.waiting():
+                return method(*args, **kwargs)
+
+        return timed
+
+    def _queue_release(self) -> None:
+        """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).
+
+        Why not ``end_step``: a training script may do more between its backward and ``optimizer.step()`` (clip,
+        log, save). A rank that is slow there would then start its next step late with its own clock reset,
+        and the rank that waited for it in the next forward would be named the straggler instead.
+
+        DDP queues its finalize (which waits for every bucket's all-reduce: on a host, a moment every rank shares)
+        as a final callback right after this last hook returns, and the autograd engine runs final callbacks in
+        order, also those queued while they run: so a callback queued from a callback queued here runs after
+        DDP's. Host only: on a GPU that finalize waits on streams, not for the other ranks.
+        """
+        try:
+            _autograd_engine().queue_callback(self._queue_mark)
+        except RuntimeError:  # not inside a backward (the hook called directly): end_step takes the release
+            pass
+
+    def _queue_mark(self) -> None:
+        # Runs before DDP's finalize; what it queues runs after it.
+        try:
+            _autograd_engine().queue_callback(self._mark_release)
+        except RuntimeError:
+            self._mark_release()
+
+    def _mark_release(self) -> None:
+        self._wait_clock.reset()
+        self._release = (time.perf_counter(), runqueue.read())
+
+    def _take_release(self) -> tuple[float, tuple[int, float] | None]:
+        release, self._release = self._release, None
+        return release if release is not None else super()._take_release()
 
     def _carry(self, buffer: Any) -> Any:
         """This rank's row of the previous sampled step, to ride on the all-reduce of ``buffer``; None if none waits.
@@ -334,6 +383,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does.
         """
         super().close()
+        if self._model.__dict__.get("_sync_buffers") is not None:
+            del self._model._sync_buffers  # DDP's own method again
 
 
 # --------------------------------------------------------------------------- hook helpers
@@ -347,6 +398,12 @@ def _consistency_hook(state, bucket):  # noqa: ANN001, ANN202
     (string) annotations of this module are not.
     """
     return state._reduce_bucket(bucket)
+
+
+def _autograd_engine() -> Any:
+    from torch.autograd import Variable
+
+    return Variable._execution_engine
 
 
 def _plain_average(buffer: Any, world: int, group: Any) -> Any:

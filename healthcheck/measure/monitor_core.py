@@ -11,12 +11,13 @@ check are the subclass's (:meth:`ConsistencyMonitor._exact_pieces`, :meth:`Consi
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, ContextManager, Iterable, Mapping
 
 from healthcheck.measure import distributed, runqueue, step_gather
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.sketch import FoldedSketch
 from healthcheck.measure.step_gather import CLOSE_WAIT_S, InFlight
+from healthcheck.measure.wait_clock import WaitClock
 
 DIRECTIONS = ("exact", "sketch")
 
@@ -72,6 +73,9 @@ class ConsistencyMonitor:
         # Whether this rank's host runs more ranks than it has cores; None for a monitor that reads no
         # run-queue clock (a GPU, FSDP2's blame). When set, each step carries the ``runq_ms`` it subtracted.
         self._cores_shared: bool | None = None
+        # Time this rank spent waiting on the others between the release and the arrival (measure/wait_clock.py).
+        self._wait_clock = WaitClock()
+        self._waited_at_arrival = 0.0  # the clock's count at ``_arrived``
         # Per-index partial results of the current step. Each key is written by exactly one hook call
         # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
         self._sqnorm: dict[int, Any] = {}
@@ -113,9 +117,8 @@ class ConsistencyMonitor:
         """
         if self._closed:
             raise RuntimeError("WorkerConsistencyMonitor.end_step called after close()")
-        released, previous_release = time.perf_counter(), self._released
-        self._released = released
-        queued_at_release, self._queued_at_release = self._queued_at_release, runqueue.read()
+        previous_release, queued_at_release = self._released, self._queued_at_release
+        self._released, self._queued_at_release = self._take_release()
         step = self._step
         self._step += 1
         if step % self.every != 0:
@@ -134,14 +137,16 @@ class ConsistencyMonitor:
             extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - (queued or 0.0)) * 1000)
             if self._cores_shared is not None:
                 extras.setdefault("runq_ms", runqueue.wait_ms(queued, self._cores_shared))
-        try:
-            inflight = self._launch(step, loss, tokens, extras)
-        finally:
-            self._clear_partials()
-        if not self.overlap:
-            return self._complete(inflight)
-        previous, self._inflight = self._inflight, inflight
-        return self._complete(previous) if previous is not None else None
+        # The monitor's own exchange is the same work on every rank and its waits are for the others: not busy_ms.
+        with self._wait_clock.span():
+            try:
+                inflight = self._launch(step, loss, tokens, extras)
+            finally:
+                self._clear_partials()
+            if not self.overlap:
+                return self._complete(inflight)
+            previous, self._inflight = self._inflight, inflight
+            return self._complete(previous) if previous is not None else None
 
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
@@ -157,6 +162,24 @@ class ConsistencyMonitor:
         if timeout_s is not None and not step_gather.finished_within(inflight, timeout_s):
             return None
         return self._complete(inflight)
+
+    def waiting(self) -> ContextManager[None]:
+        """Count the enclosed code as waiting on the other ranks, not as this rank's own work (``busy_ms``).
+
+        For a blocking collective that a training loop runs between one step's backward and the next step's
+        last gradient bucket: an all-reduced loss for logging, an audit's exchange. healthcheck's script mode
+        wraps ``torch.distributed``'s collectives in it, and the DDP monitor wraps DDP's buffer broadcast
+        (:mod:`healthcheck.measure.wait_clock` says why). The FSDP2 monitor times its own collectives instead.
+        """
+        return self._wait_clock.span()
+
+    def _take_release(self) -> tuple[float, tuple[int, float] | None]:
+        """When this step's reduction ended, and the run-queue clock then; a new wait count starts.
+
+        Here: now, since ``end_step`` follows the synchronising backward. A monitor that can see the reduction
+        end itself overrides it (DDP on a host: a training script may run more code before ``end_step``)."""
+        self._wait_clock.reset()
+        return time.perf_counter(), runqueue.read()
 
     def _complete(self, inflight: InFlight) -> StepMetrics:
         """The step's metrics once its gather is in (a subclass may derive per-rank extras from the rows)."""
@@ -184,8 +207,9 @@ class ConsistencyMonitor:
         )
 
     def _wait_before_arrival(self) -> float:
-        """Seconds of this step spent waiting for other ranks before ``_arrived`` (DDP: none, it waits after)."""
-        return 0.0
+        """Seconds of this step spent waiting for other ranks before ``_arrived``: the wait clock's count when the
+        hook saw the last gradient piece (DDP's own reduction waits after it)."""
+        return self._waited_at_arrival
 
     def _gather(self, step: int, indices: list[int], **pieces: Any) -> InFlight:
         """:func:`step_gather.launch` with what this monitor always passes (its group, mode and overlap)."""

@@ -8,13 +8,15 @@ Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum o
 ``--bug`` reproduces mistakes real scripts make, for healthcheck's detection tests:
 ``sampler-seed-per-rank`` (DistributedSampler(seed=rank)), ``reseed-rank=R`` (rank R calls manual_seed again
 after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2), ``eval-pass-rank=R`` (rank R
-computes a validation loss before training and leaves the model in eval mode) and ``dropout-rank=R`` (rank R
-loads the model with attention dropout 0.1, as a per-node config override would).
+computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
+loads the model with attention dropout 0.1, as a per-node config override would) and ``slow-rank=R`` (rank R
+spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 """
 
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,9 +74,10 @@ def make_collate(pad_id):
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0):
+    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0):
         self.rank = int(os.environ["RANK"])
         self.loss_scale = loss_scale
+        self.pause_s = pause_s
         self.model = DDP(model)  # CPU: no device_ids
         self.train_data = train_data
         self.optimizer = optimizer
@@ -91,6 +94,8 @@ class Trainer:
         ntok = (shift_labels != -100).sum()
         loss = self.loss_scale * loss_sum / ntok.clamp(min=1)  # local token mean; DDP averages gradients over ranks
         loss.backward()
+        if self.pause_s:
+            time.sleep(self.pause_s)
         self.optimizer.step()
         # global token-weighted mean for logging
         stats = torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
@@ -125,7 +130,7 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--bug", default="none",
-                    help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R or dropout-rank=R")
+                    help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R or slow-rank=R")
     args = ap.parse_args()
 
     ddp_setup()
@@ -152,7 +157,8 @@ def main():
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
         os.remove(args.log)
     loss_scale = 2.0 if bug == "loss-x2-rank" and faulted else 1.0
-    Trainer(model, loader, opt, args.steps, args.log, loss_scale).train()
+    pause_s = 0.05 if bug == "slow-rank" and faulted else 0.0
+    Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s).train()
     destroy_process_group()
 
 

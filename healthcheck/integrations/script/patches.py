@@ -12,6 +12,9 @@ original on exit, in reverse order, whatever happened in between.
 * ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
 * ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
   probed (healthcheck already is the launcher), so it gets a clear error.
+* ``torch.distributed``'s blocking collectives (:data:`BLOCKING_COLLECTIVES`): their time counts as waiting on
+  the other ranks (``session.waiting()``), not as the rank's own work in its step time (busy_ms): a script that
+  all-reduces its loss to log it would otherwise hand a slow rank's delay to the ranks that waited for it.
 * ``_BaseDataLoaderIter._next_index``: the indices of every batch any DataLoader fetches. It is
   private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
@@ -23,6 +26,27 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
+
+#: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
+BLOCKING_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
 
 
 class Patches:
@@ -47,7 +71,7 @@ class Patches:
 
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
-    ``session.on_fetch(iterator, indices)`` and ``session.owns_comm_hook(ddp)``."""
+    ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)`` and ``session.waiting()``."""
     import torch.distributed as dist
     import torch.multiprocessing as torch_mp
     from torch.nn.parallel import DistributedDataParallel
@@ -102,6 +126,13 @@ def install(session: Any) -> Patches:
 
         return spawn
 
+    def waited_for(original: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            with session.waiting():
+                return original(*args, **kwargs)
+
+        return collective
+
     def next_index(original: Any) -> Any:
         def _next_index(self: Any) -> Any:
             indices = original(self)
@@ -126,5 +157,7 @@ def install(session: Any) -> Patches:
     patches.wrap(dist, "init_process_group", init_process_group)
     patches.wrap(torch_mp, "spawn", no_spawn)
     patches.wrap(torch_mp, "start_processes", no_spawn)
+    for name in BLOCKING_COLLECTIVES:
+        patches.wrap(dist, name, waited_for)
     patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
     return patches

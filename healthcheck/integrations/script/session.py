@@ -23,9 +23,10 @@ The run layer supplies heartbeats, faults and row writing through :class:`Sessio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
@@ -204,6 +205,10 @@ class ScriptSession:
             module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self._pre_shard
         )
         self._first_training_forward(module, args)
+
+    def waiting(self) -> ContextManager[None]:
+        """Around a collective the script (or an audit) runs: its time is waiting on the others, not busy_ms."""
+        return self.monitor.waiting() if self.monitor is not None else contextlib.nullcontext()
 
     def owns_comm_hook(self, ddp: Any) -> bool:
         """True when a comm hook registration on ``ddp`` would take the monitor's slot."""

@@ -1,0 +1,87 @@
+"""busy_ms names the rank that is slow, wherever in its step it is slow (measure/wait_clock.py).
+
+Four gloo ranks train a small DDP model that has a registered buffer, so DDP's forward broadcasts it from
+rank 0 every step. One rank sleeps between its backward and ``end_step`` (a rank that saves or logs
+synchronously). The others wait for it either in the next forward's broadcast or, where the loop all-reduces
+its loss "for logging" after ``end_step`` (inside ``monitor.waiting()``, as script mode does for a script's
+collectives), there. Before the wait clock, the rank that waited for it in the broadcast was named instead:
+busy_ms started at ``end_step`` and counted the waits inside the step.
+
+    python -m pytest tests/multiprocess/test_busy_time.py -q
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from healthcheck.judge.rank_outliers import straggler_audit
+from healthcheck.measure import distributed, runqueue
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.run import launcher
+
+WORLD = 4
+STEPS = 22
+PAUSE_S = 0.04
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+        self.register_buffer("scale", torch.ones(64))  # DDP broadcasts it in every forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def _worker(slow_rank: int, log_loss: bool) -> dict[int, list[float]] | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    distributed.set_worker_threads(WORLD)
+    distributed.init_distributed("cpu", "gloo", 120)
+    try:
+        rank = distributed.rank()
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_WithBuffer(), bucket_cap_mb=0.05)
+        assert ddp.will_sync_module_buffers() or ddp.broadcast_buffers, "the scenario needs DDP's buffer broadcast"
+        monitor = WorkerConsistencyMonitor(ddp, direction="sketch")
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(rank)
+        busy: dict[int, list[float]] = {}
+
+        def keep(metrics) -> None:
+            if metrics is not None and "busy_ms" in metrics.per_rank_extras:
+                busy[metrics.step] = list(metrics.per_rank_extras["busy_ms"])
+
+        for _ in range(STEPS):
+            x = torch.randn(256, 64, generator=generator)
+            loss = ddp(x).square().mean()
+            loss.backward()
+            if rank == slow_rank:
+                time.sleep(PAUSE_S)
+            keep(monitor.end_step(loss.detach()))
+            if log_loss:
+                logged = loss.detach().clone()
+                with monitor.waiting():
+                    torch.distributed.all_reduce(logged)
+            optimizer.step()
+            optimizer.zero_grad()
+        keep(monitor.flush())
+        monitor.close()
+        assert "_sync_buffers" not in ddp.__dict__, "close() left DDP's buffer broadcast wrapped"
+        return busy if rank == 0 else None
+    finally:
+        distributed.destroy_distributed()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("slow_rank", "log_loss"), [(3, False), (1, True)])
+def test_a_rank_slow_after_its_backward_is_the_one_named(slow_rank, log_loss):
+    if runqueue.read() is None and runqueue.cores_shared(WORLD):
+        pytest.skip("ranks share this host's cores and it gives no run-queue clock: busy_ms keeps the waits for a core")
+    busy = launcher.launch_local(_worker, WORLD, (slow_rank, log_loss), run_id=f"test-busy-{slow_rank}")[0]
+    outcome = straggler_audit(busy, factor=1.035, max_p=1e-4)
+    assert outcome.ranks == (slow_rank,), (outcome.message, busy)
