@@ -115,7 +115,6 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
         self._waits: list[float] = []  # ms this step spent inside each of FSDP2's blocking collectives, in order
-        self._waited_at_arrival = 0.0
         comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
         self._gathers = []
@@ -132,19 +131,12 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
-        """Count the enclosed blocking collective's time as waiting (see :meth:`_wait_before_arrival`)."""
+        """Count the enclosed blocking collective's time as waiting (see :meth:`_on_reduce_scatter`)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self._add_wait(time.perf_counter() - start)
-
-    def _wait_before_arrival(self) -> float:
-        # FSDP2's all-gathers and reduce-scatters block every rank until the slowest arrives (gloo; on
-        # CUDA they are stream launches and cost ~0 here), so a straggler's delay is spent waiting by
-        # the *others*, inside the step. Without these waits busy_ms would be the same on every rank.
-        # What is left is only the ranks' typical own work: :meth:`_complete` adds who was waited for.
-        return self._waited_at_arrival
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         # Every rank ran the same collectives in the same order, so the names match across ranks.
@@ -175,6 +167,11 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         import torch
 
         self._arrived = time.perf_counter()
+        # What busy_ms leaves out (ConsistencyMonitor._waited_at_arrival). FSDP2's all-gathers and reduce-scatters
+        # block every rank until the slowest arrives (gloo; on CUDA they are stream launches and cost ~0 here), so
+        # a straggler's delay is spent waiting by the *others*, inside the step. Without these waits busy_ms would
+        # be the same on every rank. What is left is only the ranks' typical own work: :meth:`_complete` adds who
+        # was waited for.
         self._waited_at_arrival = sum(self._waits) / 1000
         index, world = comm.index, self._world
         calls = self._calls[index] = self._calls.get(index, 0) + 1

@@ -55,6 +55,7 @@ from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import dot_fp32, sqnorm_fp32
 from healthcheck.measure.step_gather import InFlight
+from healthcheck.measure.wait_clock import counted_as_waiting
 
 __all__ = ["DIRECTIONS", "EXCHANGES", "WorkerConsistencyMonitor"]
 
@@ -147,7 +148,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         # DDP's forward broadcasts the buffers from rank 0: a wait on the others inside the step (wait_clock.py).
         # A private method: where a torch lacks it, the broadcast is not timed.
         if callable(getattr(model, "_sync_buffers", None)):
-            model._sync_buffers = self._timed(model._sync_buffers)  # type: ignore[method-assign]
+            model._sync_buffers = counted_as_waiting(model._sync_buffers, self.waiting)  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------- hook side
 
@@ -188,14 +189,6 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         assert self._sketcher is not None
         self._sketch[index] = self._sketcher(index, buffer)
         return future.then(functools.partial(self._after_reduce, index, buffer))
-
-    def _timed(self, method: Any) -> Any:
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.waiting():
-                return method(*args, **kwargs)
-
-        return timed
 
     def _queue_release(self) -> None:
         """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).

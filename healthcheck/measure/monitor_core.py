@@ -75,7 +75,9 @@ class ConsistencyMonitor:
         self._cores_shared: bool | None = None
         # Time this rank spent waiting on the others between the release and the arrival (measure/wait_clock.py).
         self._wait_clock = WaitClock()
-        self._waited_at_arrival = 0.0  # the clock's count at ``_arrived``
+        # Seconds of the step spent waiting on the others before ``_arrived``, left out of busy_ms: the wait clock's
+        # count at the last gradient piece (DDP; its own reduction waits after it), FSDP2's collectives' waits.
+        self._waited_at_arrival = 0.0
         # Per-index partial results of the current step. Each key is written by exactly one hook call
         # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
         self._sqnorm: dict[int, Any] = {}
@@ -134,7 +136,7 @@ class ConsistencyMonitor:
             # From the end of the previous reduction (a moment every rank shares) to this rank's last
             # gradient piece: the rank's own work, without the waiting at the collectives.
             queued = runqueue.waited_between(queued_at_release, self._queued_at_arrival)  # None: no clock
-            extras.setdefault("busy_ms", (self._arrived - previous_release - self._wait_before_arrival() - (queued or 0.0)) * 1000)
+            extras.setdefault("busy_ms", (self._arrived - previous_release - self._waited_at_arrival - (queued or 0.0)) * 1000)
             if self._cores_shared is not None:
                 extras.setdefault("runq_ms", runqueue.wait_ms(queued, self._cores_shared))
         # The monitor's own exchange is the same work on every rank and its waits are for the others: not busy_ms.
@@ -205,11 +207,6 @@ class ConsistencyMonitor:
             sketch=sum_sketches(self._sketch, indices),
             from_gram=self._sketch_gram_use(),
         )
-
-    def _wait_before_arrival(self) -> float:
-        """Seconds of this step spent waiting for other ranks before ``_arrived``: the wait clock's count when the
-        hook saw the last gradient piece (DDP's own reduction waits after it)."""
-        return self._waited_at_arrival
 
     def _gather(self, step: int, indices: list[int], **pieces: Any) -> InFlight:
         """:func:`step_gather.launch` with what this monitor always passes (its group, mode and overlap)."""

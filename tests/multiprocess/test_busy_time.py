@@ -46,7 +46,7 @@ def _worker(slow_rank: int, log_loss: bool) -> dict[int, list[float]] | None:
         rank = distributed.rank()
         torch.manual_seed(0)
         ddp = DistributedDataParallel(_WithBuffer(), bucket_cap_mb=0.05)
-        assert ddp.will_sync_module_buffers() or ddp.broadcast_buffers, "the scenario needs DDP's buffer broadcast"
+        assert ddp.will_sync_module_buffers(), "the scenario needs DDP's buffer broadcast"
         monitor = WorkerConsistencyMonitor(ddp, direction="sketch")
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(rank)

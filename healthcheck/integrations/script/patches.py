@@ -26,6 +26,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
+from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
 BLOCKING_COLLECTIVES = (
@@ -126,13 +127,6 @@ def install(session: Any) -> Patches:
 
         return spawn
 
-    def waited_for(original: Any) -> Any:
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            with session.waiting():
-                return original(*args, **kwargs)
-
-        return collective
-
     def next_index(original: Any) -> Any:
         def _next_index(self: Any) -> Any:
             indices = original(self)
@@ -158,6 +152,6 @@ def install(session: Any) -> Patches:
     patches.wrap(torch_mp, "spawn", no_spawn)
     patches.wrap(torch_mp, "start_processes", no_spawn)
     for name in BLOCKING_COLLECTIVES:
-        patches.wrap(dist, name, waited_for)
+        patches.wrap(dist, name, lambda original: counted_as_waiting(original, session.waiting))
     patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
     return patches
