@@ -152,6 +152,7 @@ def install(session: Any) -> Patches:
     patches.wrap(torch_mp, "spawn", no_spawn)
     patches.wrap(torch_mp, "start_processes", no_spawn)
     for name in BLOCKING_COLLECTIVES:
-        patches.wrap(dist, name, lambda original: counted_as_waiting(original, session.waiting))
+        # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
+        patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
     patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
     return patches
