@@ -183,17 +183,18 @@ class MetricsConfig(_Section):
     straggler_factor: float = Field(
         1.035,
         gt=1,
-        description="A rank is a straggler when the median, over steps, of its step time divided by the "
-        "other ranks' median is at least this, and it is persistently slower (straggler_max_p). Tuned on the CPU probe "
-        "(healthy ranks reached 1.030 on 2 shared cores, a 50 ms straggler 1.047-1.10); on GPUs, whose clocks differ "
-        "by a few percent, 1.1 avoids flagging healthy devices.",
+        description="The tolerance: a rank is a straggler when its step time divided by the other ranks' median "
+        "is above this in significantly more than half the steps (straggler_max_p). A rank whose typical ratio is at "
+        "most this is within tolerance. On GPUs, whose clocks differ by a few percent, 1.1 avoids flagging healthy "
+        "devices.",
     )
     straggler_max_p: float = Field(
         1e-4,
         gt=0,
         lt=1,
-        description="Persistence: a straggler must be slower than the other ranks' median in so many "
-        "steps that a rank no slower than the others does that with probability <= this (one-sided sign test).",
+        description="Persistence: a straggler must be above straggler_factor in so many steps that a rank "
+        "within the tolerance does that with probability <= this (one-sided sign test): the false-alarm rate "
+        "per rank, with independent steps.",
     )
 
     replay_every: int = Field(

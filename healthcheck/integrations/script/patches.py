@@ -135,24 +135,30 @@ def install(session: Any) -> Patches:
 
         return _next_index
 
-    patches.wrap(DistributedDataParallel, "__init__", ddp_init)
-    patches.wrap(DistributedDataParallel, "register_comm_hook", comm_hook)
-    patches.wrap(DistributedDataParallel, "_register_builtin_comm_hook", comm_hook)
-    # Both public homes of fully_shard: a script imports it from either (torch 2.13 keeps the old one).
-    import torch.distributed.fsdp as fsdp
-
-    patches.wrap(fsdp, "fully_shard", fully_shard)
+    # All or nothing: a wrap that raises midway (an unexpected torch layout) must not leave the earlier ones
+    # installed in this process, where they would call back into a session that never started.
     try:
-        import torch.distributed._composable.fsdp as composable_fsdp
+        patches.wrap(DistributedDataParallel, "__init__", ddp_init)
+        patches.wrap(DistributedDataParallel, "register_comm_hook", comm_hook)
+        patches.wrap(DistributedDataParallel, "_register_builtin_comm_hook", comm_hook)
+        # Both public homes of fully_shard: a script imports it from either (torch 2.13 keeps the old one).
+        import torch.distributed.fsdp as fsdp
 
-        patches.wrap(composable_fsdp, "fully_shard", fully_shard)
-    except ImportError:
-        pass
-    patches.wrap(dist, "init_process_group", init_process_group)
-    patches.wrap(torch_mp, "spawn", no_spawn)
-    patches.wrap(torch_mp, "start_processes", no_spawn)
-    for name in BLOCKING_COLLECTIVES:
-        # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
-        patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
-    patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
+        patches.wrap(fsdp, "fully_shard", fully_shard)
+        try:
+            import torch.distributed._composable.fsdp as composable_fsdp
+
+            patches.wrap(composable_fsdp, "fully_shard", fully_shard)
+        except ImportError:
+            pass
+        patches.wrap(dist, "init_process_group", init_process_group)
+        patches.wrap(torch_mp, "spawn", no_spawn)
+        patches.wrap(torch_mp, "start_processes", no_spawn)
+        for name in BLOCKING_COLLECTIVES:
+            # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
+            patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
+        patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
+    except BaseException:
+        patches.restore()
+        raise
     return patches

@@ -75,6 +75,31 @@ def test_patches_restore_every_original():
     patches.restore()
 
 
+def test_a_wrap_that_fails_midway_puts_back_the_ones_already_installed(monkeypatch):
+    # One failed install must not leave half the patches in the process (they once broke 14 later tests).
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import dataloader
+
+    before = (DistributedDataParallel.__init__, dist.init_process_group, dist.all_reduce)
+    wrap = Patches.wrap
+
+    def failing_wrap(self, owner, name, make):
+        if name == "barrier":  # late in the install: DDP, fully_shard, init_process_group, all_reduce are done
+            raise RuntimeError("an unexpected torch layout")
+        wrap(self, owner, name, make)
+
+    monkeypatch.setattr(Patches, "wrap", failing_wrap)
+    try:
+        install(Session())
+    except RuntimeError as exc:
+        assert "unexpected torch layout" in str(exc)
+    else:
+        raise AssertionError("install() swallowed the failure")
+    assert (DistributedDataParallel.__init__, dist.init_process_group, dist.all_reduce) == before
+    assert not hasattr(dataloader._BaseDataLoaderIter._next_index, "__wrapped__")
+
+
 def test_optimizer_facts_hold_the_hyperparameters_a_rank_could_get_wrong():
     model = torch.nn.Linear(2, 2)
     facts = observe.optimizer_facts(torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
