@@ -88,9 +88,14 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
     """
     beats = {beat.rank: beat for beat in read_beats(run_dir)}
 
+    def before_steps(rank: int) -> str:
+        # A --script worker beats phase "script" from its start: its own code is running, not healthcheck's start-up.
+        beat = beats.get(rank)
+        return "in the script, before its first optimizer step" if beat and beat.phase == "script" else "during start-up"
+
     def where(rank: int) -> str:
         beat = beats.get(rank)
-        return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else "during start-up"
+        return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else before_steps(rank)
 
     for rank, signum in sorted((signals or {}).items()):
         return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}"
@@ -98,7 +103,7 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
     causes = [r for r in reports if not any(marker in r.reason for marker in PEER_FAILURE_MARKERS)]
     if causes:
         first = min(causes, key=lambda r: r.time)
-        at = f"at step {first.step}" if first.step is not None else "during start-up"
+        at = f"at step {first.step}" if first.step is not None else before_steps(first.rank)
         return f"rank {first.rank} failed {at}: {first.reason}"
     silent = sorted(set(beats) - {r.rank for r in reports})
     if reports and silent:
