@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from healthcheck.artifacts import WorkerFailure
 from healthcheck.errors import one_line
 from healthcheck.judge.summary import summarize_run
-from healthcheck.run.watchdog import read_beats
+from healthcheck.run.watchdog import before_first_step, read_beats
 
 ERRORS_DIR = "errors"
 
@@ -89,9 +89,9 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
     beats = {beat.rank: beat for beat in read_beats(run_dir)}
 
     def before_steps(rank: int) -> str:
-        # A --script worker beats phase "script" from its start: its own code is running, not healthcheck's start-up.
         beat = beats.get(rank)
-        return "in the script, before its first optimizer step" if beat and beat.phase == "script" else "during start-up"
+        place = before_first_step(beat.phase if beat else "start")
+        return "during start-up" if place == "start-up" else f"in {place}"
 
     def where(rank: int) -> str:
         beat = beats.get(rank)

@@ -68,6 +68,16 @@ def read_beats(run_dir: Path) -> list[RankBeat]:
     return beats
 
 
+def before_first_step(phase: str) -> str:
+    """Where a rank that has not begun a step is, by its heartbeat phase: a --script worker beats "script" from
+    its start (the user's code is running), any other is still in healthcheck's start-up.
+
+    >>> before_first_step("script"), before_first_step("start")
+    ('the script, before its first optimizer step', 'start-up')
+    """
+    return "the script, before its first optimizer step" if phase == "script" else "start-up"
+
+
 def describe_hang(beats: list[RankBeat], expected_ranks: int, idle_s: float) -> str:
     """One line: which rank(s) lag, where, and what the others are doing.
 
@@ -85,11 +95,7 @@ def describe_hang(beats: list[RankBeat], expected_ranks: int, idle_s: float) -> 
     laggards = [b for b in beats if b.progress == lowest]
     others = [b for b in beats if b.progress != lowest]
     first = laggards[0]
-    where = (
-        f"step {first.step} ({first.phase})"
-        if first.step >= 0
-        else ("the script, before its first optimizer step" if first.phase == "script" else "start-up")
-    )
+    where = f"step {first.step} ({first.phase})" if first.step >= 0 else before_first_step(first.phase)
     if not others:
         return f"no progress for {idle_s:.0f} s: every rank stuck in {where}"
     ahead = max(others, key=lambda b: b.progress)
