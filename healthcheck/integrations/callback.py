@@ -106,6 +106,8 @@ class HealthcheckCallback(TrainerCallback):
         from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         wrapped = self.trainer.model_wrapped
+        # TrainingArguments(torch_compile=True): accelerate compiles the DDP model; the comm hook goes on the DDP inside.
+        wrapped = getattr(wrapped, "_orig_mod", wrapped)
         if not isinstance(wrapped, DistributedDataParallel):
             if args.world_size > 1:
                 kind = type(wrapped)

@@ -19,6 +19,12 @@ divides by a global count). Where no source is unambiguous the loss is not measu
 says why; a number is never silently rescaled. No host sync happens until :meth:`LossCapture.take`.
 
 Outside a probe, :func:`record_loss` does nothing, so a script may call it unconditionally.
+
+A ``torch.compile``'d model: the hooks run eagerly (:mod:`healthcheck.integrations.eager`), so the model's
+``loss`` output is seen. A cross-entropy inside the compiled graph is not: dynamo takes the patched
+``F.cross_entropy`` for torch's own (its rules look the function up by name), evaluates it once on fake
+tensors while tracing, and the compiled code never calls it again. Those fake results are ignored, and a
+step with no other source says that its loss ran inside compiled code.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Iterator, Optional
+
+from healthcheck.integrations.eager import eager
 
 IGNORE_INDEX = -100
 
@@ -59,6 +67,7 @@ class LossCapture:
         self._outside: list[tuple[Any, Any]] = []  # record_loss calls before any training forward
         self._handles: list[Any] = []
         self._paused = False
+        self._compiled_loss = False  # a cross-entropy was met only while torch.compile traced it
 
     # ------------------------------------------------------------------ wiring
 
@@ -66,8 +75,8 @@ class LossCapture:
         """Open a micro-batch at every training forward of ``module`` and read its output; returns the
         hook handles (removed by :meth:`close`, or earlier by the caller)."""
         handles = [
-            module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            module.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+            module.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
+            module.register_forward_hook(eager(self._after_forward), with_kwargs=True, always_call=True),
         ]
         self._handles.extend(handles)
         return handles
@@ -132,7 +141,10 @@ class LossCapture:
         """Called by the patched ``F.cross_entropy`` with its arguments and result."""
         import torch
 
-        if not torch.is_grad_enabled() or not self._micro or not isinstance(result, torch.Tensor):
+        if not isinstance(result, torch.Tensor) or _traced(result):
+            self._compiled_loss = self._compiled_loss or isinstance(result, torch.Tensor)
+            return
+        if not torch.is_grad_enabled() or not self._micro:
             return
         micro = self._micro[-1]
         if kwargs.get("weight") is not None:
@@ -177,15 +189,16 @@ class LossCapture:
             return StepLoss(None, None, "no training forward of the model was seen in this step")
         pieces: list[tuple[Any, Any]] = []
         for index, m in enumerate(micro):
-            piece, problem = _resolve(m)
+            piece, problem = _resolve(m, self._compiled_loss)
             if problem is not None:
                 return StepLoss(None, _label_tokens_total(micro), f"micro-batch {index}: {problem}")
             pieces.append(piece)
         return _combine(pieces, None)
 
 
-def _resolve(micro: _MicroBatch) -> tuple[Any, Optional[str]]:
-    """(summed loss, tokens) of one micro-batch, or the reason it cannot be known."""
+def _resolve(micro: _MicroBatch, compiled: bool = False) -> tuple[Any, Optional[str]]:
+    """(summed loss, tokens) of one micro-batch, or the reason it cannot be known (``compiled``: a
+    cross-entropy was met only in a torch.compile trace)."""
     if micro.problem is not None:
         return None, micro.problem
     if micro.fused is not None:
@@ -202,6 +215,11 @@ def _resolve(micro: _MicroBatch) -> tuple[Any, Optional[str]]:
         if tokens is not None:
             return (micro.model_loss * tokens, tokens), None
         return None, "the model returned a loss but no labels to count its tokens"
+    if compiled:
+        return None, (
+            "the loss is computed inside a torch.compile'd region, where healthcheck cannot see its cross-entropy; "
+            "return it as the model's `loss` output, or call healthcheck.record_loss(loss, tokens) outside that region"
+        )
     return None, (
         "no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
         "call healthcheck.record_loss(loss, tokens) for a custom loss"
@@ -227,6 +245,19 @@ def _combine(entries: list[tuple[Any, Any]], reason: Optional[str]) -> StepLoss:
     if tokens <= 0:
         return StepLoss(None, tokens, "the step had no loss-carrying tokens")
     return StepLoss(float(summed) / tokens, tokens, reason)
+
+
+def _traced(value: Any) -> bool:
+    """Whether ``value`` belongs to a trace (torch.compile's fake tensors), not to the step that runs.
+
+    >>> import torch
+    >>> _traced(torch.ones(1))
+    False
+    """
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or is_fake(value)
 
 
 def _label_tokens(labels: Any) -> Optional[Any]:

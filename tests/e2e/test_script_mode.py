@@ -173,3 +173,23 @@ def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, 
     assert failed == {"audit.replay": [2]}, failed
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
+
+
+def test_a_trainer_that_compiles_its_model_is_measured(tiny_llama, tmp_path):
+    # TrainingArguments(torch_compile=True): accelerate compiles the DDP model, and the Hugging Face loss runs in
+    # the compiled graph. dynamo took healthcheck's patched cross-entropy for torch's own and evaluated it on fake
+    # tensors; reading them ended this probe in exit 3 (DataDependentOutputException). aot_eager traces as
+    # inductor does, without a C++ compile per rank.
+    out, log, steps = tmp_path / "run", tmp_path / "loss.jsonl", 3
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, log, steps=steps, extra=("--set", "distributed.nproc=2"),
+                               script_args=("--torch-compile-backend", "aot_eager")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["environment"]["world_size"] == 2 and result["steps_completed"] == steps
+    assert result["loss_note"] is None, result["loss_note"]
+    assert result["audits"]["replay"]["measured"], result["audits"]["replay"]["message"]
+    rows, own = read_rows(out / "steps.jsonl"), {entry["step"]: entry["loss"] for entry in read_rows(log)}
+    for step in range(steps - 1):  # the probe ends inside its last step, before the Trainer logs it
+        ranks = [r for r in rows if r["step"] == step]
+        rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
+        assert rebuilt == pytest.approx(own[step + 1], rel=1e-4), (step, rebuilt, own)

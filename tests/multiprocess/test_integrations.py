@@ -56,10 +56,13 @@ def trainer_worker(output_dir: str, options: dict) -> dict:
     from healthcheck.run.modeling import PRESETS
 
     tokenizer, rows = _dataset()
+    options = dict(options)
+    backend = options.pop("torch_compile_backend", None)
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=MAX_STEPS,
         per_device_train_batch_size=BATCH, gradient_accumulation_steps=GRAD_ACCUM, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        torch_compile=backend is not None, torch_compile_backend=backend,
     )
     model = AutoModelForCausalLM.from_config(PRESETS["tiny-gpt2"][1](len(tokenizer), SEQ_LEN))
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=_collate)
@@ -106,6 +109,22 @@ def test_callback_logs_consistency_metrics_through_the_trainer(tmp_path):
         assert ours["healthcheck/loss_mean"] == pytest.approx(theirs["loss"], rel=0.06)
     assert _healthcheck_rows(second["log_history"]) == rows
     assert first["violations"] == [] and first["compute_loss_restored"]
+
+
+@pytest.mark.multiprocess
+def test_callback_measures_a_trainer_that_compiles_its_model(tmp_path):
+    # TrainingArguments(torch_compile=True): accelerate wraps the DDP model in torch.compile, and the loss runs in
+    # the compiled graph (aot_eager: dynamo's tracing without a C++ compile per rank).
+    out = launcher.launch_local(trainer_worker, 2, (str(tmp_path), {"torch_compile_backend": "aot_eager"}),
+                                run_id="hc-callback-compiled")
+    rows = _healthcheck_rows(out[0]["log_history"])
+    trainer_rows = [row for row in out[0]["log_history"] if "grad_norm" in row]
+    assert out[0]["global_step"] == MAX_STEPS and [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+    for ours, theirs in zip(rows, trainer_rows, strict=True):
+        assert ours["healthcheck/tokens_total"] == 2 * LOSS_TOKENS_PER_STEP
+        assert ours["healthcheck/mean_grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert ours["healthcheck/loss_mean"] == pytest.approx(theirs["loss"], rel=0.06)
+    assert _healthcheck_rows(out[1]["log_history"]) == rows
 
 
 @pytest.mark.multiprocess

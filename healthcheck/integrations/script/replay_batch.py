@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from healthcheck.integrations.eager import eager
+
 #: Keys under which the positional arguments of the forward are kept (``__arg0``, ``__arg1``, ...).
 _ARG_PREFIX = "__arg"
 
@@ -26,7 +28,7 @@ class BatchKeeper:
     def __init__(self, module: Any):
         self.batch: Optional[dict[str, Any]] = None
         self.paused = False
-        self._handle = module.register_forward_pre_hook(self._keep, with_kwargs=True)
+        self._handle = module.register_forward_pre_hook(eager(self._keep), with_kwargs=True)
 
     def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch

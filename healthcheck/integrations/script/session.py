@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Optional
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
+from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.patches import install
@@ -138,7 +139,7 @@ class ScriptSession:
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
-        self._handles.append(ddp.module.register_forward_pre_hook(self._first_training_forward))
+        self._handles.append(ddp.module.register_forward_pre_hook(eager(self._first_training_forward)))
         self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
@@ -180,7 +181,7 @@ class ScriptSession:
         for handle in self._fsdp_handles:
             handle.remove()
         self._fsdp_root = module
-        self._fsdp_handles = [*self.capture.watch(module), module.register_forward_pre_hook(self._first_sharded_forward)]
+        self._fsdp_handles = [*self.capture.watch(module), module.register_forward_pre_hook(eager(self._first_sharded_forward))]
 
     def _first_sharded_forward(self, module: Any, args: Any) -> None:
         import torch

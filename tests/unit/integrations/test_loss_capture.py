@@ -174,3 +174,75 @@ def test_evaluation_forwards_are_ignored_and_the_original_cross_entropy_comes_ba
     assert got.loss is None and "no training forward" in got.reason
     assert F.cross_entropy is original
     assert math.isfinite(float(F.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]))))
+
+
+
+class _Call(torch.nn.Module):
+    """A wrapper module around the model, as DDP is: ``torch.compile(DDP(model))`` compiles through it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+@pytest.fixture(params=["after", "before"])
+def torch_functions_listed(request):
+    """When dynamo lists torch's functions: it builds the table once per process, by name, at its first compile.
+
+    "after" the patch is what a probe meets (the patch is installed before the script runs): the patched
+    ``F.cross_entropy`` is then listed as torch's own, evaluated on fake tensors while tracing and never called
+    by the compiled code. "before" (something compiled earlier, as a Trainer callback may meet): dynamo traces
+    the patch like any Python function.
+    """
+    table = torch._dynamo.trace_rules.get_torch_obj_rule_map
+    torch._dynamo.reset()
+    table.cache_clear()
+    if request.param == "before":
+        table()
+    yield request.param
+    torch._dynamo.reset()
+    table.cache_clear()  # later compiles in this process list the original again
+
+
+@pytest.mark.parametrize("compiled", ["the watched module", "a wrapper around it"])
+def test_a_compiled_model_that_returns_its_loss_is_measured(compiled, torch_functions_listed):
+    # DDP(torch.compile(model)) watches the compiled module; torch.compile(DDP(model)) compiles around the watched one.
+    model = Tiny("hf")
+    batches = [batch(11, 2), batch(12, 1)]
+    with LossCapture() as capture:
+        if compiled == "the watched module":
+            call = torch.compile(model, backend="aot_eager")
+            capture.watch(call)
+        else:
+            capture.watch(model)
+            call = torch.compile(_Call(model), backend="aot_eager")
+        got = []
+        for x, labels in batches:  # the first step traces, the second runs the compiled code only
+            call(x, labels=labels)["loss"].backward()
+            got.append(capture.take())
+    for (x, labels), step_loss in zip(batches, got, strict=True):
+        with torch.no_grad():
+            summed = float(F.cross_entropy(model.linear(x[:, :-1]).reshape(-1, 5), labels[:, 1:].reshape(-1), reduction="sum"))
+        tokens = int((labels[:, 1:] != -100).sum())
+        assert step_loss.reason is None and step_loss.tokens == tokens
+        assert step_loss.loss == pytest.approx(summed / tokens, rel=1e-5)
+
+
+def test_a_cross_entropy_only_inside_compiled_code_is_not_measured_and_says_why(torch_functions_listed):
+    model = Tiny()
+    x, labels = batch(13)
+
+    @torch.compile(backend="aot_eager")
+    def loss_of(x, labels):
+        return F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1))
+
+    with LossCapture() as capture:
+        capture.watch(model)
+        got = []
+        for _ in range(2):
+            loss_of(x, labels).backward()
+            got.append(capture.take())
+    assert all(g.loss is None and "torch.compile" in g.reason and "record_loss" in g.reason for g in got)

@@ -1,0 +1,45 @@
+"""Run healthcheck's hooks on a script's model eagerly, also when the model is ``torch.compile``'d.
+
+healthcheck observes a script's training through forward hooks on its model (the loss capture, the
+first-forward facts, the batch kept for the replay audit). When the script compiles its model
+(``torch.compile(DDP(model))``), dynamo traces those hooks like the model's own code: it compiled
+healthcheck's functions as frames of their own, broke its graph inside them (numpy's RNG state, the
+module facts) and guarded on their state, so the model recompiled when that state changed. A 2-rank probe
+of a compiled Llama (``TORCH_LOGS=recompiles,graph_breaks``): 1 recompile and 3 graph breaks in
+healthcheck's code; with the hooks wrapped in :func:`eager`, none (DDP's own graph break remains).
+
+:func:`eager` makes dynamo stop at the hook and call it as plain Python with the real tensors: the model's
+body stays compiled, and no guard depends on healthcheck. In eager code it costs a few microseconds a
+call. (The patched ``F.cross_entropy`` is another matter: dynamo takes it for torch's own function;
+:mod:`healthcheck.integrations.loss_capture` says what it does about that.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """``fn``, run eagerly even when a compiled region calls it (``torch.compiler.disable``).
+
+    >>> import torch
+    >>> from torch._dynamo.testing import CompileCounter
+    >>> kept = {}
+    >>> def keep_first(x):  # a hook that keeps the first batch it sees, as the replay audit's does
+    ...     if "batch" not in kept:
+    ...         kept["batch"] = x
+    >>> def frames_compiled(hook):
+    ...     kept.clear()
+    ...     torch._dynamo.reset()
+    ...     counter = CompileCounter()
+    ...     step = torch.compile(lambda x: (hook(x), x * 2)[1], backend=counter)
+    ...     step(torch.ones(2)), step(torch.ones(2))
+    ...     return counter.frame_count
+    >>> frames_compiled(keep_first), frames_compiled(eager(keep_first))  # traced, the hook's own state recompiles
+    (2, 1)
+    """
+    import torch
+
+    return torch.compiler.disable(fn, recursive=True)
