@@ -24,21 +24,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 def eager(fn: F) -> F:
     """``fn``, run eagerly even when a compiled region calls it (``torch.compiler.disable``).
 
-    >>> import torch
-    >>> from torch._dynamo.testing import CompileCounter
-    >>> kept = {}
-    >>> def keep_first(x):  # a hook that keeps the first batch it sees, as the replay audit's does
-    ...     if "batch" not in kept:
-    ...         kept["batch"] = x
-    >>> def frames_compiled(hook):
-    ...     kept.clear()
-    ...     torch._dynamo.reset()
-    ...     counter = CompileCounter()
-    ...     step = torch.compile(lambda x: (hook(x), x * 2)[1], backend=counter)
-    ...     step(torch.ones(2)), step(torch.ones(2))
-    ...     return counter.frame_count
-    >>> frames_compiled(keep_first), frames_compiled(eager(keep_first))  # traced, the hook's own state recompiles
-    (2, 1)
+    >>> eager(sorted)([3, 1, 2])
+    [1, 2, 3]
+
+    tests/unit/integrations/test_eager.py counts what a traced hook costs a compiled model.
     """
     import torch
 
