@@ -10,7 +10,8 @@ healthcheck's code; with the hooks wrapped in :func:`eager`, none (DDP's own gra
 
 :func:`eager` makes dynamo stop at the hook and call it as plain Python with the real tensors: the model's
 body stays compiled, and no guard depends on healthcheck. In eager code it costs a few microseconds a
-call. (The patched ``F.cross_entropy`` is another matter: dynamo takes it for torch's own function;
+call, and no import: ``DistributedDataParallel`` and ``fully_shard`` import ``torch._dynamo`` already.
+(The patched ``F.cross_entropy`` is another matter: dynamo takes it for torch's own function;
 :mod:`healthcheck.integrations.loss_capture` says what it does about that.)
 """
 
