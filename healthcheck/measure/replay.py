@@ -9,14 +9,15 @@ The round that uses these pieces (which rank disagrees, the second replay) is
     local  = replay.local(step, batch)                    # forward + backward + fingerprint (no collective)
     table  = replay.gather(local)                         # one all-gather, one host sync
 
-Why ``torch.func.functional_call`` on *detached* parameter leaves, not ``ddp.module(...)`` or
+Why the parameters swapped for *detached* leaves (as ``torch.func.functional_call`` does), not ``ddp.module(...)`` or
 ``ddp.no_sync()``: DDP's reducer registers a post-hook on every parameter's AccumulateGrad node, and it
 runs for ANY backward that reaches the real parameters, through the wrapper or not, inside ``no_sync`` or
 not. Mostly inert outside a synchronising step, but not entirely: it counts backward calls, and with
 ``static_graph=True`` (or ``find_unused_parameters``) it records which gradients arrived before checking
 whether it should, so a replay before the first step breaks the next iterations (measured while this was
-prototyped). Detached leaves share the parameters' storage (no copy) and ``autograd.grad`` returns the
-gradients, so no DDP hook, no comm hook and no ``.grad`` is touched: there is nothing to restore but RNG.
+prototyped). Detached leaves share the parameters' storage (no copy) and the backward fills the leaves'
+``.grad``, so no DDP hook, no comm hook and no parameter's ``.grad`` is touched: there is nothing to restore
+but RNG (:func:`replay_gradient` says why the leaves stay in place through the backward).
 
 What is fingerprinted, on the device, with one gather per replay: one :func:`tensor_bit_hash` per
 gradient tensor (bit equality, and the first differing tensor); one hash of the parameters (the replay's
@@ -122,25 +123,31 @@ def replay_rng(seed: int, device: Any) -> Iterator[None]:
 def replay_gradient(
     module: Any, loss_of: Callable[[Callable[..., Any]], Any], names: Sequence[str], *, seed: int, device: Any
 ) -> tuple[Any, list[Any]]:
-    """The replay's loss and the gradient of every named parameter, without touching ``.grad`` or DDP.
+    """The replay's loss and the gradient of every named parameter, without touching the parameters' ``.grad`` or DDP.
 
     ``loss_of(call)`` runs the forward as ``call(*args, **kwargs)`` and returns a 0-d loss; ``call`` is
-    ``functional_call`` of ``module`` on detached leaves that share the parameters' storage. Module
-    hooks still run (a faulty device's forward hooks included).
+    ``module`` with its parameters swapped for detached leaves that share their storage (what
+    ``torch.func.functional_call`` does, held through the backward too). Module hooks still run (a faulty
+    device's forward hooks included).
+
+    Why the swap lasts through the backward, which then fills the leaves' ``.grad``: a model with reentrant
+    activation checkpointing (``use_reentrant=True``, still the choice of many fine-tuning scripts) runs its
+    checkpointed blocks' forward again inside the backward, and refuses ``autograd.grad`` (what this used
+    until a Trainer script with ``gradient_checkpointing_kwargs={"use_reentrant": True}`` ended its probe in
+    exit 3). That second forward must see the leaves as well, or its gradients would land on the real
+    parameters' ``.grad`` and DDP's hooks. Every trainable parameter is a leaf here, so the backward reaches
+    nothing else.
     """
-    from torch.func import functional_call
+    from torch.nn.utils.stateless import _reparametrize_module
 
     params = dict(module.named_parameters())
     leaves = {name: params[name].detach().requires_grad_(True) for name in names}
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return functional_call(module, leaves, args, kwargs, strict=False)
-
     with replay_rng(seed, device), torch.enable_grad():
-        loss = loss_of(call)
+        with _reparametrize_module(module, leaves, tie_weights=True, strict=False):
+            loss = loss_of(module)
+            loss.backward()
     inputs = [leaves[name] for name in names]
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    return loss.detach(), [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, inputs, strict=True)]
+    return loss.detach(), [p.grad if p.grad is not None else torch.zeros_like(p) for p in inputs]
 
 
 def pack_fingerprint(grads: Sequence[Any], params: Sequence[Any], loss: Any, sketcher: Optional[FoldedSketch]) -> Any:

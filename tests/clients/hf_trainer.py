@@ -2,7 +2,8 @@
 
 torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 --log loss.jsonl
 
-`--torch-compile-backend aot_eager` (or `inductor`) trains with `TrainingArguments(torch_compile=True)`.
+`--torch-compile-backend aot_eager` (or `inductor`) trains with `TrainingArguments(torch_compile=True)`;
+`--gradient-checkpointing reentrant` with activation checkpointing as older scripts set it (`use_reentrant=True`).
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
 its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
 (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
@@ -51,6 +52,8 @@ def main():
     ap.add_argument("--average-tokens-across-devices", choices=["true", "false"], default="true")
     ap.add_argument("--no-loss-kwargs", action="store_true",
                     help="set model.accepts_loss_kwargs=False: Trainer then passes no num_items_in_batch")
+    ap.add_argument("--gradient-checkpointing", choices=["none", "reentrant", "non-reentrant"], default="none",
+                    help="TrainingArguments(gradient_checkpointing=True) with gradient_checkpointing_kwargs={'use_reentrant': ...}")
     ap.add_argument("--torch-compile-backend", default=None,
                     help="TrainingArguments(torch_compile=True) with this backend (e.g. aot_eager, inductor)")
     args = ap.parse_args()
@@ -94,6 +97,8 @@ def main():
         seed=1234,
         dataloader_num_workers=0,
         average_tokens_across_devices=args.average_tokens_across_devices == "true",
+        gradient_checkpointing=args.gradient_checkpointing != "none",
+        gradient_checkpointing_kwargs={"use_reentrant": args.gradient_checkpointing == "reentrant"},
         torch_compile=args.torch_compile_backend is not None,
         torch_compile_backend=args.torch_compile_backend,
     )

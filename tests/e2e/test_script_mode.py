@@ -162,11 +162,13 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
 
 def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, tmp_path):
     # transformers.Trainer's model computes its loss from the batch, so every rank can replay one rank's
-    # micro-batch; rank 2's matmuls are off by 1e-3 from step 1 (a device fault, in its replays too).
+    # micro-batch; rank 2's matmuls are off by 1e-3 from step 1 (a device fault, in its replays too). With
+    # reentrant activation checkpointing, which refuses autograd.grad: the replay used it and ended in exit 3.
     out = tmp_path / "run"
     done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=6,
                                extra=("--set", "metrics.replay_every=2",
-                                      "--set", "rank_overrides={2: {faults: {matmul_error: 0.001, matmul_error_from_step: 1}}}")))
+                                      "--set", "rank_overrides={2: {faults: {matmul_error: 0.001, matmul_error_from_step: 1}}}"),
+                               script_args=("--gradient-checkpointing", "reentrant")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
