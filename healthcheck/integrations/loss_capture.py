@@ -142,7 +142,8 @@ class LossCapture:
         import torch
 
         if not isinstance(result, torch.Tensor) or _traced(result):
-            self._compiled_loss = self._compiled_loss or isinstance(result, torch.Tensor)
+            # Only a training loss explains a step without one (an evaluation may be compiled on its own).
+            self._compiled_loss = self._compiled_loss or (isinstance(result, torch.Tensor) and torch.is_grad_enabled())
             return
         if not torch.is_grad_enabled() or not self._micro:
             return

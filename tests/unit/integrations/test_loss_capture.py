@@ -246,3 +246,20 @@ def test_a_cross_entropy_only_inside_compiled_code_is_not_measured_and_says_why(
             loss_of(x, labels).backward()
             got.append(capture.take())
     assert all(g.loss is None and "torch.compile" in g.reason and "record_loss" in g.reason for g in got)
+
+
+def test_a_compiled_evaluation_does_not_explain_a_training_step_without_a_loss(torch_functions_listed):
+    model = Tiny()
+    x, labels = batch(14)
+
+    @torch.compile(backend="aot_eager")
+    def evaluate(x, labels):
+        return F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1))
+
+    with LossCapture() as capture:
+        capture.watch(model)
+        with torch.no_grad():
+            evaluate(x, labels)
+        model(x).sum().backward()  # a training step whose loss is no cross-entropy and is not recorded
+        got = capture.take()
+    assert got.loss is None and "torch.compile" not in got.reason and "record_loss" in got.reason
