@@ -231,14 +231,15 @@ def test_a_compiled_model_that_returns_its_loss_is_measured(compiled, torch_func
         assert step_loss.loss == pytest.approx(summed / tokens, rel=1e-5)
 
 
+def compiled_cross_entropy(model: Tiny):
+    """The cross-entropy of ``model``'s logits in a compiled function: the capture sees the forward, not the loss."""
+    return torch.compile(lambda x, labels: F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1)), backend="aot_eager")
+
+
 def test_a_cross_entropy_only_inside_compiled_code_is_not_measured_and_says_why(torch_functions_listed):
     model = Tiny()
     x, labels = batch(13)
-
-    @torch.compile(backend="aot_eager")
-    def loss_of(x, labels):
-        return F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1))
-
+    loss_of = compiled_cross_entropy(model)
     with LossCapture() as capture:
         capture.watch(model)
         got = []
@@ -251,11 +252,7 @@ def test_a_cross_entropy_only_inside_compiled_code_is_not_measured_and_says_why(
 def test_a_compiled_evaluation_does_not_explain_a_training_step_without_a_loss(torch_functions_listed):
     model = Tiny()
     x, labels = batch(14)
-
-    @torch.compile(backend="aot_eager")
-    def evaluate(x, labels):
-        return F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1))
-
+    evaluate = compiled_cross_entropy(model)
     with LossCapture() as capture:
         capture.watch(model)
         with torch.no_grad():
