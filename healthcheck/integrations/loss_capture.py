@@ -141,9 +141,11 @@ class LossCapture:
         """Called by the patched ``F.cross_entropy`` with its arguments and result."""
         import torch
 
-        if not isinstance(result, torch.Tensor) or _traced(result):
+        if not isinstance(result, torch.Tensor):
+            return
+        if _traced(result):
             # Only a training loss explains a step without one (an evaluation may be compiled on its own).
-            self._compiled_loss = self._compiled_loss or (isinstance(result, torch.Tensor) and torch.is_grad_enabled())
+            self._compiled_loss = self._compiled_loss or torch.is_grad_enabled()
             return
         if not torch.is_grad_enabled() or not self._micro:
             return
@@ -197,7 +199,7 @@ class LossCapture:
         return _combine(pieces, None)
 
 
-def _resolve(micro: _MicroBatch, compiled: bool = False) -> tuple[Any, Optional[str]]:
+def _resolve(micro: _MicroBatch, compiled: bool) -> tuple[Any, Optional[str]]:
     """(summed loss, tokens) of one micro-batch, or the reason it cannot be known (``compiled``: a
     cross-entropy was met only in a torch.compile trace)."""
     if micro.problem is not None:
