@@ -10,6 +10,8 @@ loss-carrying tokens N come from the first source that saw them:
 3. ``torch.nn.functional.cross_entropy`` (which ``nn.CrossEntropyLoss`` and Hugging Face models call):
    S is recovered exactly from the call's own result and reduction (``mean`` × N, ``sum``, ``none``
    summed), N counts the targets that are not ``ignore_index``;
+   transformers' ``LabelSmoother`` (the Trainer's ``label_smoothing_factor``, which takes the labels away from
+   the model) counts as one: S is its result times its denominator, N its label count;
 4. the model output's ``loss`` times ``num_items_in_batch`` when the Trainer passed it (S / N_global
    then, with N_global the count over every rank), else times the label count.
 
@@ -31,12 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from healthcheck.integrations.eager import eager
-
-IGNORE_INDEX = -100
+from healthcheck.integrations.loss_hooks import (
+    ACTIVE,
+    IGNORE_INDEX,
+    SETTING_NAMES,
+    cross_entropy_settings,
+    patch_cross_entropy,
+    patch_label_smoother,
+    unpatch_cross_entropy,
+    unpatch_label_smoother,
+)
 
 
 @dataclasses.dataclass
@@ -68,12 +77,15 @@ class LossCapture:
         self._handles: list[Any] = []
         self._paused = False
         self._compiled_loss = False  # a cross-entropy was met only while torch.compile traced it
+        # How the training cross-entropies are called, until :meth:`loss_settings` reads it (the first step).
+        self._settings: Optional[set[tuple[str, ...]]] = set()
 
     # ------------------------------------------------------------------ wiring
 
     def watch(self, module: Any) -> list[Any]:
         """Open a micro-batch at every training forward of ``module`` and read its output; returns the
         hook handles (removed by :meth:`close`, or earlier by the caller)."""
+        patch_label_smoother()  # the script has built its model, so a Trainer's module is imported by now
         handles = [
             module.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
             module.register_forward_hook(eager(self._after_forward), with_kwargs=True, always_call=True),
@@ -82,8 +94,8 @@ class LossCapture:
         return handles
 
     def __enter__(self) -> LossCapture:
-        _ACTIVE.append(self)
-        _patch_cross_entropy()
+        ACTIVE.append(self)
+        patch_cross_entropy()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -93,26 +105,27 @@ class LossCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
-        if not _ACTIVE:
-            _unpatch_cross_entropy()
+        if self in ACTIVE:
+            ACTIVE.remove(self)
+        if not ACTIVE:
+            unpatch_cross_entropy()
+            unpatch_label_smoother()
 
     # ------------------------------------------------------------------ observations
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """See nothing while a forward that is not the script's training runs (the replay audit's)."""
-        active = self in _ACTIVE
+        active = self in ACTIVE
         if active:
-            _ACTIVE.remove(self)  # the patched cross_entropy reports only to active captures
+            ACTIVE.remove(self)  # the patched cross_entropy reports only to active captures
         self._paused = True
         try:
             yield
         finally:
             self._paused = False
             if active:
-                _ACTIVE.append(self)
+                ACTIVE.append(self)
 
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch
@@ -149,6 +162,8 @@ class LossCapture:
             return
         if not torch.is_grad_enabled() or not self._micro:
             return
+        if self._settings is not None:
+            self._settings.add(cross_entropy_settings(kwargs, target, result))
         micro = self._micro[-1]
         if kwargs.get("weight") is not None:
             micro.problem = "the cross-entropy has class weights, so its mean is not a per-token loss"
@@ -167,6 +182,26 @@ class LossCapture:
             summed = value.sum()
         micro.cross_entropy.append((summed, tokens))
 
+    def observe_label_smoother(self, smoother: Any, labels: Any, shift_labels: bool, num_items: Any, result: Any) -> None:
+        """Called by the patched ``LabelSmoother.__call__``: its result is its per-token objective summed over the
+        labels, divided by ``num_items_in_batch`` when the Trainer passed it, else by the label count."""
+        import torch
+
+        if not isinstance(result, torch.Tensor) or _traced(result) or not torch.is_grad_enabled() or not self._micro:
+            return
+        ignore_index = getattr(smoother, "ignore_index", IGNORE_INDEX)
+        targets = labels[..., 1:] if shift_labels else labels
+        tokens = (targets != ignore_index).sum()
+        value = result.detach().float()
+        denominator = tokens if num_items is None else torch.as_tensor(num_items).to(value.device)
+        # An all-ignored micro-batch without num_items is 0/0 and contributes nothing.
+        summed = torch.where(tokens > 0, value * denominator, torch.zeros_like(value))
+        self._micro[-1].cross_entropy.append((summed, tokens))
+        if self._settings is not None:
+            epsilon = f"{float(getattr(smoother, 'epsilon', 0.0)):g}"
+            dtype = str(result.dtype).removeprefix("torch.")
+            self._settings.add(("LabelSmoother", str(ignore_index), epsilon, "none", "class indices", dtype))
+
     def record(self, loss: Any, tokens: Any = None) -> None:
         """An explicit micro-batch loss (``healthcheck.record_loss``); ``tokens`` defaults to 1."""
         import torch
@@ -178,6 +213,30 @@ class LossCapture:
             self._micro[-1].explicit.append(entry)
         else:
             self._outside.append(entry)
+
+    def loss_settings(self) -> dict[str, str]:
+        """How this rank's training cross-entropies were called so far, for the environment audit: one entry per
+        setting (the distinct values over the calls); read once, at the first optimizer step (later calls are
+        not recorded).
+
+        Why: a loss setting that differs on one rank (label smoothing from a per-node config, another
+        ``ignore_index``, class weights, a loss computed in bf16) changes what that rank optimises, and the
+        statistics may not see it: with a freshly initialised model near the uniform distribution, label
+        smoothing 0.1 on one of 4 ranks moved its loss by <0.01 and its gradient norm by ~10%, inside the
+        ranks' spread, and a 10-step probe passed. It is exact evidence, compared as strings.
+
+        >>> import torch
+        >>> capture = LossCapture()
+        >>> capture.loss_settings()
+        {'loss.cross_entropy': 'not called in training'}
+        """
+        seen, self._settings = self._settings or set(), None
+        if not seen:
+            return {"loss.cross_entropy": "not called in training"}
+        facts = {"loss.cross_entropy": "called"}
+        for position, name in enumerate(SETTING_NAMES):
+            facts[f"loss.{name}"] = " | ".join(sorted({call[position] for call in seen}))
+        return facts
 
     # ------------------------------------------------------------------ the step
 
@@ -287,10 +346,7 @@ def _field(output: Any, name: str) -> Any:
     return getattr(output, name, None)
 
 
-# --------------------------------------------------------------------------- the process-wide hooks
-
-_ACTIVE: list[LossCapture] = []
-_ORIGINAL_CROSS_ENTROPY: Optional[Callable[..., Any]] = None
+# --------------------------------------------------------------------------- the public call
 
 
 def record_loss(loss: Any, tokens: Any = None) -> None:
@@ -300,36 +356,5 @@ def record_loss(loss: Any, tokens: Any = None) -> None:
     averages over (default 1: micro-batches weigh equally). When called in a step, the automatic
     capture is ignored for that step. Outside a healthcheck probe this does nothing.
     """
-    for capture in _ACTIVE:
+    for capture in ACTIVE:
         capture.record(loss, tokens)
-
-
-def _patch_cross_entropy() -> None:
-    global _ORIGINAL_CROSS_ENTROPY
-    import torch.nn.functional as F
-
-    if _ORIGINAL_CROSS_ENTROPY is not None:
-        return
-    original = F.cross_entropy
-    _ORIGINAL_CROSS_ENTROPY = original
-
-    @functools.wraps(original)
-    def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(input, target, *args, **kwargs)
-        if _ACTIVE:
-            named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args, strict=False))
-            named.update(kwargs)
-            for capture in _ACTIVE:
-                capture.observe_cross_entropy(input, target, named, result)
-        return result
-
-    F.cross_entropy = cross_entropy
-
-
-def _unpatch_cross_entropy() -> None:
-    global _ORIGINAL_CROSS_ENTROPY
-    import torch.nn.functional as F
-
-    if _ORIGINAL_CROSS_ENTROPY is not None:
-        F.cross_entropy = _ORIGINAL_CROSS_ENTROPY
-        _ORIGINAL_CROSS_ENTROPY = None

@@ -9,8 +9,9 @@ Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum o
 ``sampler-seed-per-rank`` (DistributedSampler(seed=rank)), ``reseed-rank=R`` (rank R calls manual_seed again
 after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2), ``eval-pass-rank=R`` (rank R
 computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
-loads the model with attention dropout 0.1, as a per-node config override would) and ``slow-rank=R`` (rank R
-spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
+loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
+(rank R's loss has label smoothing 0.1, the same kind of override) and ``slow-rank=R`` (rank R spends 50 ms
+between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 """
 
 import argparse
@@ -74,9 +75,10 @@ def make_collate(pad_id):
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0):
+    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0):
         self.rank = int(os.environ["RANK"])
         self.loss_scale = loss_scale
+        self.smoothing = smoothing
         self.pause_s = pause_s
         self.model = DDP(model)  # CPU: no device_ids
         self.train_data = train_data
@@ -90,7 +92,8 @@ class Trainer:
         logits = self.model(input_ids=input_ids, attention_mask=attn).logits
         shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)
-        loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+        loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum",
+                                   label_smoothing=self.smoothing)
         ntok = (shift_labels != -100).sum()
         loss = self.loss_scale * loss_sum / ntok.clamp(min=1)  # local token mean; DDP averages gradients over ranks
         loss.backward()
@@ -130,7 +133,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--bug", default="none",
-                    help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R or slow-rank=R")
+                    help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
+                         "label-smoothing-rank=R or slow-rank=R")
     args = ap.parse_args()
 
     ddp_setup()
@@ -158,7 +162,8 @@ def main():
         os.remove(args.log)
     loss_scale = 2.0 if bug == "loss-x2-rank" and faulted else 1.0
     pause_s = 0.05 if bug == "slow-rank" and faulted else 0.0
-    Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s).train()
+    smoothing = 0.1 if bug == "label-smoothing-rank" and faulted else 0.0
+    Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing).train()
     destroy_process_group()
 
 

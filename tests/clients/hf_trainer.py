@@ -3,7 +3,8 @@
 torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 --log loss.jsonl
 
 `--torch-compile-backend aot_eager` (or `inductor`) trains with `TrainingArguments(torch_compile=True)`;
-`--gradient-checkpointing reentrant` with activation checkpointing as older scripts set it (`use_reentrant=True`).
+`--gradient-checkpointing reentrant` with activation checkpointing as older scripts set it (`use_reentrant=True`);
+`--label-smoothing 0.1` sets `label_smoothing_factor` (the Trainer then computes the loss with its `LabelSmoother`).
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
 its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
 (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
@@ -56,6 +57,7 @@ def main():
                     help="TrainingArguments(gradient_checkpointing=True) with gradient_checkpointing_kwargs={'use_reentrant': ...}")
     ap.add_argument("--torch-compile-backend", default=None,
                     help="TrainingArguments(torch_compile=True) with this backend (e.g. aot_eager, inductor)")
+    ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -101,6 +103,7 @@ def main():
         gradient_checkpointing_kwargs={"use_reentrant": args.gradient_checkpointing == "reentrant"},
         torch_compile=args.torch_compile_backend is not None,
         torch_compile_backend=args.torch_compile_backend,
+        label_smoothing_factor=args.label_smoothing,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))

@@ -130,6 +130,8 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # Settings no parameter holds: read at the first training forward, decisive at step 0.
         ("eval-pass-rank=0", STEPS, "audit.environment", {0}),
         ("dropout-rank=3", STEPS, "audit.environment", {3}),
+        # A loss setting on one rank: near the uniform distribution it barely moves the statistics.
+        ("label-smoothing-rank=1", STEPS, "audit.environment", {1}),
         # Slow after its backward: the others wait for it in the next forward's buffer broadcast and in the
         # script's logging all-reduce; neither may land in their step time (measure/wait_clock.py).
         ("slow-rank=2", 30, "audit.stragglers", {2}),
@@ -155,7 +157,8 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
                                            "message": result["audits"][check.removeprefix("audit.")]["message"]}
         assert result["steps_completed"] == 0
     if check == "audit.environment":  # the one setting that differs, and nothing else
-        setting = {"eval-pass-rank": "model.eval_modules", "dropout-rank": "model.dropout"}[bug.partition("=")[0]]
+        setting = {"eval-pass-rank": "model.eval_modules", "dropout-rank": "model.dropout",
+                   "label-smoothing-rank": "loss.label_smoothing"}[bug.partition("=")[0]]
         message = result["audits"]["environment"]["message"]
         assert message.startswith(f"{setting} differs") and message.count("differs") == 1, message
 
@@ -177,19 +180,31 @@ def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, 
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
 
 
-def test_a_trainer_that_compiles_its_model_is_measured(tiny_llama, tmp_path):
-    # TrainingArguments(torch_compile=True): accelerate compiles the DDP model, and the Hugging Face loss runs in
-    # the compiled graph. dynamo took healthcheck's patched cross-entropy for torch's own and evaluated it on fake
-    # tensors; reading them ended this probe in exit 3 (DataDependentOutputException). aot_eager traces as
-    # inductor does, without a C++ compile per rank.
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # TrainingArguments(torch_compile=True): accelerate compiles the DDP model, and the Hugging Face loss runs in
+        # the compiled graph. dynamo took healthcheck's patched cross-entropy for torch's own and evaluated it on
+        # fake tensors; reading them ended this probe in exit 3 (DataDependentOutputException). aot_eager traces as
+        # inductor does, without a C++ compile per rank.
+        ("--torch-compile-backend", "aot_eager"),
+        # TrainingArguments(label_smoothing_factor=0.1): the Trainer takes the labels away from the model and
+        # computes the loss with its LabelSmoother, so no cross-entropy and no model loss exist: the loss was "not
+        # measured". It is the smoothed objective the Trainer logs.
+        ("--label-smoothing", "0.1"),
+    ],
+    ids=["torch_compile", "label_smoothing"],
+)
+def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tiny_llama, tmp_path):
     out, log, steps = tmp_path / "run", tmp_path / "loss.jsonl", 3
     done = run_cli(*probe_args("hf_trainer", out, tiny_llama, log, steps=steps, extra=("--set", "distributed.nproc=2"),
-                               script_args=("--torch-compile-backend", "aot_eager")))
+                               script_args=variant))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["environment"]["world_size"] == 2 and result["steps_completed"] == steps
     assert result["loss_note"] is None, result["loss_note"]
-    assert result["audits"]["replay"]["measured"], result["audits"]["replay"]["message"]
+    if variant[0] == "--torch-compile-backend":  # the model computes its loss, so the replay can re-run it
+        assert result["audits"]["replay"]["measured"], result["audits"]["replay"]["message"]
     rows, own = read_rows(out / "steps.jsonl"), {entry["step"]: entry["loss"] for entry in read_rows(log)}
     for step in range(steps - 1):  # the probe ends inside its last step, before the Trainer logs it
         ranks = [r for r in rows if r["step"] == step]

@@ -312,6 +312,7 @@ class ScriptSession:
                 "model_dtype": facts.get("model_dtype", "unknown"),
                 **facts.get("module", {}),
                 **observe.optimizer_facts(optimizer),
+                **self.capture.loss_settings(),
                 **observe.wrapper_facts(self.model),
             }
         )

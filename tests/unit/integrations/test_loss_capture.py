@@ -260,3 +260,66 @@ def test_a_compiled_evaluation_does_not_explain_a_training_step_without_a_loss(t
         model(x).sum().backward()  # a training step whose loss is no cross-entropy and is not recorded
         got = capture.take()
     assert got.loss is None and "torch.compile" not in got.reason and "record_loss" in got.reason
+
+
+# --------------------------------------------------------------------------- the loss's settings (environment audit)
+
+
+def settings_after(**cross_entropy) -> dict[str, str]:
+    model = Tiny()
+    x, labels = batch(4, masked=2)
+    with LossCapture() as capture:
+        capture.watch(model)
+        with torch.no_grad():  # an evaluation call with other settings is not the training loss
+            F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.5)
+        F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), **cross_entropy)
+        return capture.loss_settings()
+
+
+def test_the_training_cross_entropys_settings_are_facts_and_a_different_one_differs():
+    plain = settings_after()
+    assert plain == {"loss.cross_entropy": "called", "loss.reduction": "mean", "loss.ignore_index": "-100",
+                     "loss.label_smoothing": "0", "loss.weight": "none", "loss.targets": "class indices",
+                     "loss.dtype": "float32"}
+    changed = {key for key, value in settings_after(label_smoothing=0.1).items() if plain[key] != value}
+    assert changed == {"loss.label_smoothing"}
+    weights = [settings_after(weight=torch.tensor([1.0, 1.0, 2.0, 1.0, 1.0]))["loss.weight"] for _ in range(2)]
+    assert weights[0] == weights[1] != "none"  # a digest: equal weights agree across ranks
+    assert settings_after(weight=torch.ones(5))["loss.weight"] != weights[0]
+
+
+def test_the_settings_are_read_once_and_no_call_is_a_fact_too():
+    model = Tiny()
+    x, labels = batch(5)
+    with LossCapture() as capture:
+        capture.watch(model)
+        model(x)
+        assert capture.loss_settings() == {"loss.cross_entropy": "not called in training"}
+        F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.2)
+        assert capture.loss_settings() == {"loss.cross_entropy": "not called in training"}  # recorded until read
+
+
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_transformers_label_smoother_is_a_loss_source(num_items):
+    # TrainingArguments(label_smoothing_factor=...) pops the labels, so the model computes no loss and no
+    # cross-entropy runs: the Trainer's LabelSmoother is the loss. Its objective per token is
+    # (1 - eps) * nll + eps * mean over the vocabulary of -log p, divided by num_items_in_batch or the label count.
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model, smoother, eps = Tiny(), LabelSmoother(epsilon=0.1), 0.1
+    original = LabelSmoother.__call__
+    x, labels = batch(6, masked=2)
+    with LossCapture() as capture:
+        capture.watch(model)
+        logits = model(x)
+        smoother({"logits": logits}, labels, shift_labels=True, num_items_in_batch=num_items)
+        got, settings = capture.take(), capture.loss_settings()
+    assert LabelSmoother.__call__ is original  # put back when the last capture closes
+    log_probs = torch.log_softmax(logits.detach()[:, :-1], -1)
+    targets = labels[:, 1:]
+    keep = targets != -100
+    nll = -log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_token = (1 - eps) * nll - eps * log_probs.mean(-1)
+    assert got.tokens == int(keep.sum()) and got.reason is None
+    assert got.loss == pytest.approx(float(per_token[keep].mean()), rel=1e-5)
+    assert settings["loss.reduction"] == "LabelSmoother" and settings["loss.label_smoothing"] == "0.1"
