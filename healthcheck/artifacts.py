@@ -330,7 +330,7 @@ class ReplayEvidence(Record):
     )
     every: int = Field(0, ge=0, description="metrics.replay_every.")
     rounds: list[ReplayRound] = Field(default_factory=list)
-    unavailable: Optional[str] = Field(None, description="Why no replay could run (a script whose model computes no loss).")
+    unavailable: Optional[str] = Field(None, description="Why no replay could run (no training forward before the first step; FSDP2).")
 
 
 class AuditEvidence(Record):

@@ -76,12 +76,10 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
     assert audits["data_shards"]["measured"] and audits["data_shards"]["samples_per_rank"][0] >= STEPS
     assert "PASS" in done.stdout and "audits only" in done.stdout
-    # The replay audit runs where the script's model computes its own loss (it is given labels).
+    # The replay audit runs on every client: with the model's own loss where it is given labels, else (the DDP
+    # tutorial's loss is computed outside the model) with a surrogate of its outputs.
     replay = audits["replay"]
-    if name in ("hf_trainer", "accelerate_loop"):
-        assert replay["measured"] and "bit-identical" in replay["message"], replay["message"]
-    elif name == "ddp_tutorial":
-        assert not replay["measured"] and "without labels" in replay["message"], replay["message"]
+    assert replay["measured"] and "bit-identical" in replay["message"], (name, replay["message"])
 
 
 def test_global_loss_from_the_rows_equals_the_frameworks_own_logged_loss(client_run):
@@ -163,19 +161,28 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
         assert message.startswith(f"{setting} differs") and message.count("differs") == 1, message
 
 
-def test_a_bad_device_under_a_trainer_script_is_named_by_the_replay(tiny_llama, tmp_path):
-    # transformers.Trainer's model computes its loss from the batch, so every rank can replay one rank's
-    # micro-batch; rank 2's matmuls are off by 1e-3 from step 1 (a device fault, in its replays too). With
-    # reentrant activation checkpointing, which refuses autograd.grad: the replay used it and ended in exit 3.
-    out = tmp_path / "run"
-    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=6,
-                               extra=("--set", "metrics.replay_every=2",
-                                      "--set", "rank_overrides={2: {faults: {matmul_error: 0.001, matmul_error_from_step: 1}}}"),
-                               script_args=("--gradient-checkpointing", "reentrant")))
+@pytest.mark.parametrize(
+    ("client", "rank", "script_args"),
+    [
+        # transformers.Trainer's model computes its loss from the batch. With reentrant activation checkpointing,
+        # which refuses autograd.grad: the replay used it and ended in exit 3.
+        ("hf_trainer", 2, ("--gradient-checkpointing", "reentrant")),
+        # The DDP tutorial computes its loss outside the model: the replay differentiates a surrogate of the
+        # model's outputs (it was "not measured").
+        ("ddp_tutorial", 1, ()),
+    ],
+)
+def test_a_bad_device_is_named_by_the_replay(client, rank, script_args, tiny_llama, tmp_path):
+    # Every rank can replay one rank's micro-batch; the faulted rank's matmuls are off by 1e-3 from step 1 (a device
+    # fault, in its replays too).
+    out, fault = tmp_path / "run", "{faults: {matmul_error: 0.001, matmul_error_from_step: 1}}"
+    done = run_cli(*probe_args(client, out, tiny_llama, tmp_path / "loss.jsonl", steps=6,
+                               extra=("--set", "metrics.replay_every=2", "--set", f"rank_overrides={{{rank}: {fault}}}"),
+                               script_args=script_args))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
-    assert failed == {"audit.replay": [2]}, failed
+    assert failed == {"audit.replay": [rank]}, failed
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
 

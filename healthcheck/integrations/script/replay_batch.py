@@ -3,13 +3,18 @@
 The replay audit (:mod:`healthcheck.measure.replay`) recomputes one rank's micro-batch on every rank. In a
 ``--script`` probe healthcheck has no batch of its own, so :class:`BatchKeeper` keeps the inputs of the
 first training forward of each step (references to the script's tensors, no copy), and
-:func:`model_loss` runs the model on them. That works where the model computes its own loss from those
-inputs (Hugging Face models given ``labels``: ``transformers.Trainer``, TRL, most ``accelerate`` loops); a
-loss computed outside the model (``F.cross_entropy(model(x).logits, y)``) cannot be replayed, and
-:func:`unavailable` says so.
+:func:`model_loss` runs the model on them and returns what the replay differentiates:
 
->>> unavailable({"input_ids": 1})
-"the script's model is called without labels, so its forward returns no loss to replay (the loss is computed outside the model)"
+* the model's own ``loss`` output, where it computes one from those inputs (Hugging Face models given
+  ``labels``: ``transformers.Trainer``, TRL, most ``accelerate`` loops);
+* otherwise (a loss computed outside the model, ``F.cross_entropy(model(x).logits, y)``, as the PyTorch
+  tutorials write it) a fixed surrogate of the model's outputs (:func:`output_surrogate`). The replay compares
+  the ranks with each other, not with the training step, so any fixed function of the outputs whose gradient
+  reaches the parameters serves: a device that computes the forward or the backward wrongly gives another
+  gradient of it. Until 2026-11-24 such a script's replay audit was "not measured".
+
+>>> unavailable({"input_ids": 1}) is None
+True
 """
 
 from __future__ import annotations
@@ -47,19 +52,47 @@ def unavailable(batch: Optional[Mapping[str, Any]]) -> Optional[str]:
     """Why ``batch`` cannot be replayed, or None when it can."""
     if batch is None:
         return "the script's model ran no training forward before its first optimizer step"
-    if batch.get("labels") is None:
-        return (
-            "the script's model is called without labels, so its forward returns no loss to replay "
-            "(the loss is computed outside the model)"
-        )
     return None
 
 
 def model_loss(call: Any, batch: Mapping[str, Any]) -> Any:
-    """The model's own loss on ``batch``, with ``call`` as the model (what the replay differentiates)."""
+    """What the replay differentiates on ``batch``, with ``call`` as the model: its own loss, else
+    :func:`output_surrogate` of its outputs."""
     positional = sorted((k for k in batch if k.startswith(_ARG_PREFIX)), key=lambda k: int(k[len(_ARG_PREFIX) :]))
     output = call(*(batch[k] for k in positional), **{k: v for k, v in batch.items() if not k.startswith(_ARG_PREFIX)})
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None:
-        raise ValueError("the script's model returned no loss for its own training inputs")
-    return loss
+    return loss if loss is not None else output_surrogate(output)
+
+
+def output_surrogate(output: Any) -> Any:
+    """The sum over the output's differentiable floating tensors (a tensor, or one inside a tuple, list, dict or
+    ``ModelOutput``, two levels deep) of their mean square, in fp32: the same function on every rank.
+
+    Why a mean square: its gradient, 2·y/n, is nonzero wherever the output is, so the backward runs through
+    every parameter that produced it, and it stays O(|y|²) whatever the output's size.
+
+    >>> import torch
+    >>> y = torch.tensor([1.0, 3.0], requires_grad=True)
+    >>> float(output_surrogate({"logits": y, "past_key_values": None}).detach())
+    5.0
+    """
+    import torch
+
+    found = _differentiable(output, depth=2)
+    if not found:
+        raise ValueError("the script's model returned no loss and no differentiable floating-point output to replay")
+    return torch.stack([t.float().square().mean() for t in found]).sum()
+
+
+def _differentiable(value: Any, depth: int) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.requires_grad else []
+    if depth == 0:
+        return []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _differentiable(item, depth - 1)]
+    return []
