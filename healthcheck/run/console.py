@@ -57,8 +57,8 @@ class HeartbeatProgress:
         lead = next((b for b in beats if b.rank == 0 and b.phase in PHASES), None)
         if lead is None or lead.step < 0:
             return
-        if self.progress is None:  # timed from the first step, so start-up does not count as slow steps
-            self.progress = StepProgress(self.name, self.total)
+        if self.progress is None:  # timed from the first beat, so start-up does not count as slow steps
+            self.progress = StepProgress(self.name, self.total, start_done=steps_done(lead))
         if steps_done(lead) > self.done:
             self.done = steps_done(lead)
             self.progress.advance(self.done)

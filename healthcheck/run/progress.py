@@ -7,10 +7,24 @@ import time
 
 
 class StepProgress:
-    def __init__(self, name: str, total_steps: int, stream=None):
+    """Progress over ``total_steps``; the rate counts the steps after ``start_done`` (those done when it is made).
+
+    Why ``start_done``: the launcher's line starts at rank 0's first heartbeat, often after its first step has
+    finished. Counting that step against the moments since would print thousands of steps a second.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> progress = StepProgress("default", 10, stream=out, start_done=1)
+    >>> progress.advance(1)
+    >>> print(out.getvalue(), end="")
+    probe default: step 1/10
+    """
+
+    def __init__(self, name: str, total_steps: int, stream=None, start_done: int = 0):
         self.name, self.total = name, total_steps
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
+        self.start_done = start_done
         self._last_reported = 0
         self._bar = None
         if self.stream.isatty():
@@ -30,8 +44,10 @@ class StepProgress:
             self._bar.start()
 
     def rate(self, done: int) -> float:
+        """Steps a second since this was made; 0 while no step has finished since then."""
         elapsed = time.perf_counter() - self.started
-        return done / elapsed if elapsed > 0 else 0.0
+        steps = done - self.start_done
+        return steps / elapsed if elapsed > 0 and steps > 0 else 0.0
 
     def advance(self, done: int) -> None:
         if self._bar is not None:
@@ -40,8 +56,8 @@ class StepProgress:
         if done == self.total or done - self._last_reported >= max(1, self.total // 10):
             self._last_reported = done
             rate = self.rate(done)
-            eta = (self.total - done) / rate if rate > 0 else float("nan")
-            print(f"probe {self.name}: step {done}/{self.total}  {rate:.1f} steps/s  ETA {eta:.0f}s", file=self.stream, flush=True)
+            pace = f"  {rate:.1f} steps/s  ETA {(self.total - done) / rate:.0f}s" if rate > 0 else ""
+            print(f"probe {self.name}: step {done}/{self.total}{pace}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

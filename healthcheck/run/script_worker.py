@@ -160,7 +160,8 @@ class _ScriptRun:
             return
         if self.writers is None:
             self.writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
-            self.progress = StepProgress(self.config.name, self.config.train.steps) if self.show_progress else None
+            # The first rows arrive a step late (the gather overlaps the next step): that step is not timed.
+            self.progress = StepProgress(self.config.name, self.config.train.steps, start_done=step + 1) if self.show_progress else None
         write_rows(self.writers, step, metrics, lr)
         if self.progress is not None:
             self.progress.advance(step + 1)
