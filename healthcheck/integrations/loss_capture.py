@@ -77,7 +77,8 @@ class LossCapture:
         self._handles: list[Any] = []
         self._paused = False
         self._compiled_loss = False  # a cross-entropy was met only while torch.compile traced it
-        # How the training cross-entropies are called, until :meth:`loss_settings` reads it (the first step).
+        # How the cross-entropies that the backward went through were called, until :meth:`loss_settings` reads
+        # it (the first step).
         self._settings: Optional[set[tuple[str, ...]]] = set()
 
     # ------------------------------------------------------------------ wiring
@@ -162,8 +163,7 @@ class LossCapture:
             return
         if not torch.is_grad_enabled() or not self._micro:
             return
-        if self._settings is not None:
-            self._settings.add(cross_entropy_settings(kwargs, target, result))
+        self._note_settings(result, cross_entropy_settings(kwargs, target, result))
         micro = self._micro[-1]
         if kwargs.get("weight") is not None:
             micro.problem = "the cross-entropy has class weights, so its mean is not a per-token loss"
@@ -200,7 +200,19 @@ class LossCapture:
         if self._settings is not None:
             epsilon = f"{float(getattr(smoother, 'epsilon', 0.0)):g}"
             dtype = str(result.dtype).removeprefix("torch.")
-            self._settings.add(("LabelSmoother", str(ignore_index), epsilon, "none", "class indices", dtype))
+            self._note_settings(result, ("LabelSmoother", str(ignore_index), epsilon, "none", "class indices", dtype))
+
+    def _note_settings(self, result: Any, settings: tuple[str, ...]) -> None:
+        """Record ``settings`` once the backward runs through ``result``: a loss computed only to be logged (rank 0's
+        per-token losses, say) is no rank's training loss, and must not make its rank differ."""
+        if self._settings is None or not result.requires_grad:
+            return
+
+        def trained(grad: Any) -> None:
+            if self._settings is not None:
+                self._settings.add(settings)
+
+        result.register_hook(trained)
 
     def record(self, loss: Any, tokens: Any = None) -> None:
         """An explicit micro-batch loss (``healthcheck.record_loss``); ``tokens`` defaults to 1."""
@@ -215,9 +227,9 @@ class LossCapture:
             self._outside.append(entry)
 
     def loss_settings(self) -> dict[str, str]:
-        """How this rank's training cross-entropies were called so far, for the environment audit: one entry per
-        setting (the distinct values over the calls); read once, at the first optimizer step (later calls are
-        not recorded).
+        """How the cross-entropies this rank's backward went through so far were called, for the environment audit:
+        one entry per setting (the distinct values over the calls); read once, at the first optimizer step (later
+        calls are not recorded).
 
         Why: a loss setting that differs on one rank (label smoothing from a per-node config, another
         ``ignore_index``, class weights, a loss computed in bf16) changes what that rank optimises, and the
@@ -228,12 +240,12 @@ class LossCapture:
         >>> import torch
         >>> capture = LossCapture()
         >>> capture.loss_settings()
-        {'loss.cross_entropy': 'not called in training'}
+        {'loss.cross_entropy': 'none in the backward'}
         """
         seen, self._settings = self._settings or set(), None
         if not seen:
-            return {"loss.cross_entropy": "not called in training"}
-        facts = {"loss.cross_entropy": "called"}
+            return {"loss.cross_entropy": "none in the backward"}
+        facts = {"loss.cross_entropy": "in the backward"}
         for position, name in enumerate(SETTING_NAMES):
             facts[f"loss.{name}"] = " | ".join(sorted({call[position] for call in seen}))
         return facts

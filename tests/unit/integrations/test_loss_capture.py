@@ -272,13 +272,16 @@ def settings_after(**cross_entropy) -> dict[str, str]:
         capture.watch(model)
         with torch.no_grad():  # an evaluation call with other settings is not the training loss
             F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.5)
-        F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), **cross_entropy)
+        logits = model(x).reshape(-1, 5)
+        # Nor is a loss computed only to be logged, though autograd records it: the backward never reaches it.
+        F.cross_entropy(logits, labels.reshape(-1), reduction="none", label_smoothing=0.3)
+        F.cross_entropy(logits, labels.reshape(-1), **cross_entropy).backward()
         return capture.loss_settings()
 
 
 def test_the_training_cross_entropys_settings_are_facts_and_a_different_one_differs():
     plain = settings_after()
-    assert plain == {"loss.cross_entropy": "called", "loss.reduction": "mean", "loss.ignore_index": "-100",
+    assert plain == {"loss.cross_entropy": "in the backward", "loss.reduction": "mean", "loss.ignore_index": "-100",
                      "loss.label_smoothing": "0", "loss.weight": "none", "loss.targets": "class indices",
                      "loss.dtype": "float32"}
     changed = {key for key, value in settings_after(label_smoothing=0.1).items() if plain[key] != value}
@@ -288,15 +291,15 @@ def test_the_training_cross_entropys_settings_are_facts_and_a_different_one_diff
     assert settings_after(weight=torch.ones(5))["loss.weight"] != weights[0]
 
 
-def test_the_settings_are_read_once_and_no_call_is_a_fact_too():
+def test_the_settings_are_read_once_and_no_trained_call_is_a_fact_too():
     model = Tiny()
     x, labels = batch(5)
     with LossCapture() as capture:
         capture.watch(model)
-        model(x)
-        assert capture.loss_settings() == {"loss.cross_entropy": "not called in training"}
-        F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.2)
-        assert capture.loss_settings() == {"loss.cross_entropy": "not called in training"}  # recorded until read
+        model(x).square().mean().backward()  # a custom loss: no cross-entropy
+        assert capture.loss_settings() == {"loss.cross_entropy": "none in the backward"}
+        F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.2).backward()
+        assert capture.loss_settings() == {"loss.cross_entropy": "none in the backward"}  # recorded until read
 
 
 @pytest.mark.parametrize("num_items", [None, 17])
@@ -312,7 +315,7 @@ def test_transformers_label_smoother_is_a_loss_source(num_items):
     with LossCapture() as capture:
         capture.watch(model)
         logits = model(x)
-        smoother({"logits": logits}, labels, shift_labels=True, num_items_in_batch=num_items)
+        smoother({"logits": logits}, labels, shift_labels=True, num_items_in_batch=num_items).backward()
         got, settings = capture.take(), capture.loss_settings()
     assert LabelSmoother.__call__ is original  # put back when the last capture closes
     log_probs = torch.log_softmax(logits.detach()[:, :-1], -1)
