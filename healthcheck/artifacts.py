@@ -273,6 +273,9 @@ class RankEvidence(Record):
         "loader (another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).",
     )
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
+    dataset_digest: Optional[str] = Field(
+        None, description="--script: length and a content hash of a few samples of the training loader's dataset."
+    )
 
 
 class ShardedEvidence(Record):

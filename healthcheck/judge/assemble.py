@@ -23,7 +23,7 @@ from healthcheck.artifacts import (
 )
 from healthcheck.config import ProbeConfig
 from healthcheck.files import read_jsonl
-from healthcheck.judge.audit_outcome import AuditOutcome, not_measured
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, odd_ones_out, partition_signature, ranks_phrase
 from healthcheck.judge.exact_audits import (
     SEED_FIELDS,
     environment_audit,
@@ -201,8 +201,11 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     """The shard audit of a --script probe, on what each rank's DataLoader really fetched.
 
     The plan is rebuilt from the DistributedSampler the ranks read through, with the seed most ranks
-    share (rank 0's on a tie): a rank whose sampler was seeded apart departs from it. Shards from
-    something else (accelerate's batch shards) are judged for identity and overlap only.
+    share (rank 0's on a tie): a rank whose sampler was seeded apart departs from it, and so does a rank whose
+    sampler splits another dataset (its length and a few samples' hash, ``dataset_digest``). Shards from
+    something else (accelerate's batch shards, a per-rank split of the data) are judged for identity and overlap
+    only, and only between ranks whose datasets are the same: an index names the same sample only there. There,
+    a minority of ranks off the dataset a strict majority reads is named; a per-rank split has no majority.
     """
     consumed = [rank_evidence.consumed for rank_evidence in per_rank]
     if not any(consumed):
@@ -211,8 +214,24 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
             "so shard overlap and order cannot be checked"
         )
     plans = [rank_evidence.sampler for rank_evidence in per_rank]
+    digests = [rank_evidence.dataset_digest for rank_evidence in per_rank]
+    datasets = group_ranks(digests) if None not in digests else [list(range(len(per_rank)))]
+    # Under a shared sampler every rank must index the same dataset; without one, a strict majority on one dataset
+    # says the others read another (a per-rank split leaves no majority).
+    if len(datasets) > 1 and (None not in plans or 2 * len(datasets[0]) > len(per_rank)):
+        phrase = "; ".join(f"{ranks_phrase(g)} {digests[g[0]]}" for g in datasets)
+        named = tuple(odd_ones_out(datasets))
+        return AuditOutcome(False, f"the ranks read different datasets: {phrase}", f"datasets {partition_signature(datasets)}", named)
     if any(plan is None for plan in plans):
-        return data_shard_audit(consumed, None)
+        if all(len(group) == 1 for group in datasets) and len(datasets) > 1:
+            return not_measured(
+                "each rank reads its own dataset (at the same indices the ranks' datasets hold different samples: a "
+                "per-rank split such as datasets' split_dataset_by_node), so which samples overlap cannot be told from indices"
+            )
+        # Tag each index with its dataset: ranks reading different datasets share no sample.
+        span = 1 + max((i for batches in consumed for _, ids in batches for i in ids), default=0)
+        tag = {rank: number * span for number, group in enumerate(datasets) for rank in group}
+        return data_shard_audit([[(e, [tag[r] + i for i in ids]) for e, ids in c] for r, c in enumerate(consumed)], None)
     seeds = Counter(plan.seed for plan in plans if plan is not None)
     top = max(seeds.values())
     first = plans[0]

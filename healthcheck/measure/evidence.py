@@ -59,6 +59,7 @@ class AuditRecorder:
         #: What sharded the data and whether the loss was seen; a --script probe learns these as it runs.
         self.sampler: Optional[SamplerPlan] = None
         self.shard_source = "sampler"
+        self.dataset_digest: Optional[str] = None
         self.loss_problem: Optional[str] = None
         #: The replay audit's evidence (:mod:`healthcheck.run.replay_rounds` fills it; the same on every rank).
         self.replay: Optional[ReplayEvidence] = None
@@ -107,6 +108,7 @@ class AuditRecorder:
             sampler=self.sampler,
             shard_source=self.shard_source,
             loss_problem=self.loss_problem,
+            dataset_digest=self.dataset_digest,
         )
         everyone = hdist.all_gather_objects(local_evidence.model_dump())
         if hdist.rank() != 0:

@@ -10,7 +10,8 @@ Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum o
 after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2), ``eval-pass-rank=R`` (rank R
 computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
-(rank R's loss has label smoothing 0.1, the same kind of override) and ``slow-rank=R`` (rank R spends 50 ms
+(rank R's loss has label smoothing 0.1, the same kind of override), ``stale-data-rank=R`` (rank R's copy of the
+data file lacks its first row: same length, other samples at each index) and ``slow-rank=R`` (rank R spends 50 ms
 between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 """
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,9 +42,9 @@ def alpaca_prompt(row):
 
 
 class AlpacaDataset(Dataset):
-    def __init__(self, path, tokenizer, max_len, rows):
+    def __init__(self, path, tokenizer, max_len, rows, skip=0):
         with open(path) as f:
-            data = json.load(f)[:rows]
+            data = json.load(f)[skip : skip + rows]
         self.items = []
         for row in data:
             p = tokenizer(alpaca_prompt(row), add_special_tokens=False)["input_ids"]
@@ -108,7 +109,8 @@ class Trainer:
     def train(self):
         epoch = 0
         while self.step < self.max_steps:
-            self.train_data.sampler.set_epoch(epoch)
+            if hasattr(self.train_data.sampler, "set_epoch"):
+                self.train_data.sampler.set_epoch(epoch)
             for input_ids, attn, labels in self.train_data:
                 gloss = self._run_batch(input_ids, attn, labels)
                 self.step += 1
@@ -132,9 +134,11 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--split-by-node", action="store_true",
+                    help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R or slow-rank=R")
+                         "label-smoothing-rank=R, stale-data-rank=R or slow-rank=R")
     args = ap.parse_args()
 
     ddp_setup()
@@ -148,8 +152,20 @@ def main():
     overrides = {"attention_dropout": 0.1} if bug == "dropout-rank" and faulted else {}
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
     model.train()  # from_pretrained returns the model in eval mode
-    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
-    sampler = DistributedSampler(ds, seed=rank) if bug == "sampler-seed-per-rank" else DistributedSampler(ds, seed=args.seed)
+    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if bug == "stale-data-rank" and faulted else 0)
+    if args.split_by_node:
+        # Each rank keeps its own part of the data (datasets' documented way), then shuffles it like the others.
+        from datasets import Dataset as HFDataset
+        from datasets.distributed import split_dataset_by_node
+
+        part = split_dataset_by_node(HFDataset.from_list([{"ids": ids, "labels": lab} for ids, lab in ds.items]), rank=rank,
+                                     world_size=int(os.environ["WORLD_SIZE"]))
+        ds.items = [(row["ids"], row["labels"]) for row in part]
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(args.seed))
+    elif bug == "sampler-seed-per-rank":
+        sampler = DistributedSampler(ds, seed=rank)
+    else:
+        sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
                         collate_fn=make_collate(tok.pad_token_id))
     if bug == "eval-pass-rank" and faulted:

@@ -130,6 +130,8 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         ("dropout-rank=3", STEPS, "audit.environment", {3}),
         # A loss setting on one rank: near the uniform distribution it barely moves the statistics.
         ("label-smoothing-rank=1", STEPS, "audit.environment", {1}),
+        # A rank whose data file differs: its indices follow the plan, its samples do not (it passed).
+        ("stale-data-rank=2", STEPS, "audit.data_shards", {2}),
         # Slow after its backward: the others wait for it in the next forward's buffer broadcast and in the
         # script's logging all-reduce; neither may land in their step time (measure/wait_clock.py).
         ("slow-rank=2", 30, "audit.stragglers", {2}),
@@ -217,3 +219,14 @@ def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tin
         ranks = [r for r in rows if r["step"] == step]
         rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
         assert rebuilt == pytest.approx(own[step + 1], rel=1e-4), (step, rebuilt, own)
+
+
+def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(tiny_llama, tmp_path):
+    # datasets' split_dataset_by_node, then the same shuffled loader on every rank: equal indices into different
+    # parts. It was failed (exit 1) as "every rank read the same samples".
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                               script_args=("--split-by-node",)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
+    assert not shards["measured"] and "its own dataset" in shards["message"], shards["message"]

@@ -322,7 +322,6 @@ class ScriptSession:
         plan = loader.plan if loader else None
         info = hdist.get_dist_info()
         import torch
-
         device = torch.device(facts.get("device", "cpu"))
         rank_info = RankInfo(
             rank=info.rank,
@@ -347,6 +346,7 @@ class ScriptSession:
             extra=self.audit.extra,
             sampler=plan,
             shard_source="none" if loader is None else ("sampler" if plan else "loader"),
+            dataset_digest=loader.dataset_digest if loader else None,
         )
         replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
@@ -398,7 +398,7 @@ class ScriptSession:
         self.monitor.close()
         loader = self.loaders.training_loader()
         self.audit.consumed = list(loader.batches) if loader else []
-        self.audit.sampler = loader.plan if loader else None
+        self.audit.sampler, self.audit.dataset_digest = (loader.plan, loader.dataset_digest) if loader else (None, None)
         self.audit.shard_source = "none" if loader is None else ("sampler" if loader.plan else "loader")
         self.audit.loss_problem = self._loss_problem
         evidence = self.audit.finish(plan_samples=(loader.dataset_size or 0) if loader else 0)

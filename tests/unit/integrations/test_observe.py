@@ -115,3 +115,25 @@ def test_first_forward_facts_read_the_precision_and_the_seed():
     assert facts["torch_seed"] == 11 and facts["precision"] == "fp32" and facts["model_dtype"] == "float32"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert observe.first_forward_facts(model)["precision"] == "bfloat16 autocast"
+
+
+def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness():
+    import random
+
+    class Augmented(torch.utils.data.Dataset):
+        """A random transform, as image or noise augmentation draws one."""
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return {"x": torch.full((2,), float(i)) + torch.rand(2), "label": i, "name": f"row{i}"}
+
+    torch.manual_seed(3)
+    random.seed(3)
+    before = (torch.get_rng_state(), random.getstate())
+    digests = {observe.dataset_digest(Augmented()) for _ in range(2)}
+    assert len(digests) == 1 and next(iter(digests)).startswith("5 samples, sha256 ")  # seeded alike each time
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert observe.dataset_digest([1, 2, 3]) != observe.dataset_digest([1, 9, 3])  # the middle sample differs
+    assert observe.dataset_digest(range(0)) is None and observe.dataset_digest({"not": "indexable"}) is None

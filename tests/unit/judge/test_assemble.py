@@ -36,3 +36,28 @@ def test_without_a_distributed_sampler_only_overlap_is_judged():
 def test_no_batches_is_not_measured():
     outcome = script_shard_audit([RankEvidence(shard_source="none") for _ in range(2)])
     assert outcome.passed and not outcome.measured and outcome.message.startswith("not measured")
+
+
+def with_digest(rank_evidence: RankEvidence, digest: str) -> RankEvidence:
+    return rank_evidence.model_copy(update={"dataset_digest": digest})
+
+
+def test_a_rank_whose_sampler_splits_another_dataset_is_named():
+    # Rank 3 loaded another file of the same length: its indices follow the plan, its samples do not.
+    ranks = [with_digest(evidence(r, 4, seed=5), "64 samples, sha256 b" if r == 3 else "64 samples, sha256 a") for r in range(4)]
+    outcome = script_shard_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (3,) and "different datasets" in outcome.message
+    # The same without a DistributedSampler (accelerate's shards): the majority's dataset decides.
+    loose = [with_digest(evidence(r, 4, seed=5, sampler=False), "b" if r == 1 else "a") for r in range(4)]
+    assert script_shard_audit(loose).ranks == (1,)
+
+
+def test_ranks_that_split_the_data_themselves_are_not_judged_by_index():
+    # split_dataset_by_node, then the same shuffled loader: equal indices, different samples (it was "identical").
+    own = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {r}") for r in range(4)]
+    outcome = script_shard_audit(own)
+    assert outcome.passed and not outcome.measured and "its own dataset" in outcome.message
+    # Two ranks that took the same part of the split read the same samples: judged between them only.
+    twice = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {min(r, 2)}") for r in range(4)]
+    outcome = script_shard_audit(twice)
+    assert not outcome.passed and set(outcome.ranks) == {2, 3}
