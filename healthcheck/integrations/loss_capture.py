@@ -163,7 +163,8 @@ class LossCapture:
             return
         if not torch.is_grad_enabled() or not self._micro:
             return
-        self._note_settings(result, cross_entropy_settings(kwargs, target, result))
+        if self._settings is not None:  # the first step only
+            self._note_settings(result, cross_entropy_settings(kwargs, target, result))
         micro = self._micro[-1]
         if kwargs.get("weight") is not None:
             micro.problem = "the cross-entropy has class weights, so its mean is not a per-token loss"
