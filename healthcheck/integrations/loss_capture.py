@@ -43,8 +43,7 @@ from healthcheck.integrations.loss_hooks import (
     cross_entropy_settings,
     patch_cross_entropy,
     patch_label_smoother,
-    unpatch_cross_entropy,
-    unpatch_label_smoother,
+    unpatch,
 )
 
 
@@ -109,8 +108,7 @@ class LossCapture:
         if self in ACTIVE:
             ACTIVE.remove(self)
         if not ACTIVE:
-            unpatch_cross_entropy()
-            unpatch_label_smoother()
+            unpatch()
 
     # ------------------------------------------------------------------ observations
 

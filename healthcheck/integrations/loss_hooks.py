@@ -7,18 +7,21 @@ script's loss functions, and what it reads off a call.
   watches a model and only if the script has imported transformers' trainer: healthcheck never imports it.
 
 Each wrapper calls the original, then reports the call and its result to every active capture (:data:`ACTIVE`).
+Both are held by one :class:`~healthcheck.integrations.script.patches.Patches`, and :func:`unpatch` puts both back.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional
+from typing import Any
+
+from healthcheck.integrations.script.patches import Patches
 
 IGNORE_INDEX = -100
 
 #: The captures the patched functions report to (``LossCapture.__enter__`` appends, ``close`` removes).
 ACTIVE: list[Any] = []
-_ORIGINAL_CROSS_ENTROPY: Optional[Callable[..., Any]] = None
+#: The loss functions wrapped now (at most once each, whatever the number of captures).
+_PATCHES = Patches()
 
 
 #: What :func:`cross_entropy_settings` reads off a call, in its order.
@@ -50,66 +53,43 @@ def cross_entropy_settings(kwargs: dict, target: Any, result: Any) -> tuple[str,
 
 
 def patch_cross_entropy() -> None:
-    global _ORIGINAL_CROSS_ENTROPY
     import torch.nn.functional as F
 
-    if _ORIGINAL_CROSS_ENTROPY is not None:
-        return
-    original = F.cross_entropy
-    _ORIGINAL_CROSS_ENTROPY = original
+    def wrap(original: Any) -> Any:
+        def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(input, target, *args, **kwargs)
+            if ACTIVE:
+                named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args, strict=False))
+                named.update(kwargs)
+                for capture in ACTIVE:
+                    capture.observe_cross_entropy(input, target, named, result)
+            return result
 
-    @functools.wraps(original)
-    def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(input, target, *args, **kwargs)
-        if ACTIVE:
-            named = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args, strict=False))
-            named.update(kwargs)
-            for capture in ACTIVE:
-                capture.observe_cross_entropy(input, target, named, result)
-        return result
+        return cross_entropy
 
-    F.cross_entropy = cross_entropy
-
-
-_ORIGINAL_LABEL_SMOOTHER: Optional[Callable[..., Any]] = None
+    if not _PATCHES.holds(F, "cross_entropy"):
+        _PATCHES.wrap(F, "cross_entropy", wrap)
 
 
 def patch_label_smoother() -> None:
     """Wrap transformers' ``LabelSmoother.__call__`` where the script has imported it (never imported here)."""
-    global _ORIGINAL_LABEL_SMOOTHER
-    import sys
-
-    module = sys.modules.get("transformers.trainer_pt_utils")
-    smoother = getattr(module, "LabelSmoother", None)
-    if smoother is None or _ORIGINAL_LABEL_SMOOTHER is not None:
-        return
-    original = smoother.__call__
-    _ORIGINAL_LABEL_SMOOTHER = original
-
-    @functools.wraps(original)
-    def __call__(self: Any, model_output: Any, labels: Any, shift_labels: bool = False, **kwargs: Any) -> Any:
-        result = original(self, model_output, labels, shift_labels=shift_labels, **kwargs)
-        for capture in ACTIVE:
-            capture.observe_label_smoother(self, labels, shift_labels, kwargs.get("num_items_in_batch"), result)
-        return result
-
-    smoother.__call__ = __call__
-
-
-def unpatch_label_smoother() -> None:
-    global _ORIGINAL_LABEL_SMOOTHER
     import sys
 
     smoother = getattr(sys.modules.get("transformers.trainer_pt_utils"), "LabelSmoother", None)
-    if smoother is not None and _ORIGINAL_LABEL_SMOOTHER is not None:
-        smoother.__call__ = _ORIGINAL_LABEL_SMOOTHER
-    _ORIGINAL_LABEL_SMOOTHER = None
+
+    def wrap(original: Any) -> Any:
+        def __call__(self: Any, model_output: Any, labels: Any, shift_labels: bool = False, **kwargs: Any) -> Any:
+            result = original(self, model_output, labels, shift_labels=shift_labels, **kwargs)
+            for capture in ACTIVE:
+                capture.observe_label_smoother(self, labels, shift_labels, kwargs.get("num_items_in_batch"), result)
+            return result
+
+        return __call__
+
+    if smoother is not None and not _PATCHES.holds(smoother, "__call__"):
+        _PATCHES.wrap(smoother, "__call__", wrap)
 
 
-def unpatch_cross_entropy() -> None:
-    global _ORIGINAL_CROSS_ENTROPY
-    import torch.nn.functional as F
-
-    if _ORIGINAL_CROSS_ENTROPY is not None:
-        F.cross_entropy = _ORIGINAL_CROSS_ENTROPY
-        _ORIGINAL_CROSS_ENTROPY = None
+def unpatch() -> None:
+    """Put back every loss function wrapped here."""
+    _PATCHES.restore()

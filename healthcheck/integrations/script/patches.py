@@ -64,6 +64,10 @@ class Patches:
         self._saved.append((owner, name, original))
         setattr(owner, name, functools.wraps(original)(make(original)))
 
+    def holds(self, owner: Any, name: str) -> bool:
+        """Whether ``owner.name`` is wrapped here now."""
+        return any(saved is owner and saved_name == name for saved, saved_name, _ in self._saved)
+
     def restore(self) -> None:
         while self._saved:
             owner, name, original = self._saved.pop()
