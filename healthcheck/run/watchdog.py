@@ -4,7 +4,8 @@ Each rank rewrites ``RUN_DIR/heartbeat/rank-<r>.json`` (step, phase, pid) at eve
 step. When no heartbeat changes for ``distributed.timeout_s``, the watchdog kills the workers so the
 launcher returns, and names the rank(s) that lag: when one rank sleeps or spins, the others wait
 in a later phase of the same step (their next collective), so the least advanced rank is the
-suspect. A gloo/NCCL timeout would also end the probe, but it cannot say who hung.
+suspect. A gloo/NCCL timeout would also end the probe, but it cannot say who hung. Before it kills,
+the watchdog asks every rank for its Python stacks (:mod:`.stacks`) and adds where each one waits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from healthcheck.ranks import ranks_phrase
+from healthcheck.run import stacks
 
 HEARTBEAT_DIR = "heartbeat"
 #: Phases of one step, in order; a rank further along has a higher (step, phase index).
@@ -38,6 +40,7 @@ class Heartbeat:
         self.path = self.folder / f"rank-{rank}.json"
         self.tmp = self.folder / f".rank-{rank}.tmp"
         self.rank = rank
+        stacks.arm(run_dir, rank)  # before the first beat publishes the pid the watchdog may signal
         self.beat(-1, "start")
 
     def beat(self, step: int, phase: str) -> None:
@@ -101,7 +104,8 @@ def describe_hang(beats: list[RankBeat], expected_ranks: int, idle_s: float) -> 
     ahead = max(others, key=lambda b: b.progress)
     return (
         f"no progress for {idle_s:.0f} s: {ranks_phrase([b.rank for b in laggards])} stuck in {where} "
-        f"while {ranks_phrase([b.rank for b in others])} wait in step {ahead.step} ({ahead.phase})"
+        f"while {ranks_phrase([b.rank for b in others])} {'waits' if len(others) == 1 else 'wait'} "
+        f"in step {ahead.step} ({ahead.phase})"
     )
 
 
@@ -163,6 +167,9 @@ class Watchdog:
             idle = time.monotonic() - last_change
             if idle >= self.timeout_s:
                 self.fired = describe_hang(beats, self.nproc, idle)
+                waits = stacks.describe(stacks.request(self.run_dir, {b.rank: b.pid for b in beats}))
+                if waits:
+                    self.fired += f"; {waits} (stacks: {self.run_dir / stacks.STACKS_DIR})"
                 self._kill(beats)
                 return
 

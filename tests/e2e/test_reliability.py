@@ -81,7 +81,11 @@ def test_hung_worker_is_ended_by_the_watchdog(tmp_path):
     )
     elapsed = time.monotonic() - started
     assert done.returncode == 3, done.stderr
-    assert "no progress for 6 s: rank 0 stuck in step 2 (compute) while rank 1 wait" in done.stderr
+    assert "no progress for 6 s: rank 0 stuck in step 2 (compute) while rank 1 waits" in done.stderr
+    # The stacks say where: rank 0 in the injected hang, rank 1 in DDP's backward waiting for it.
+    assert "rank 0 waits in healthcheck/run/faults.py:" in done.stderr
+    assert "rank 1 waits in _engine_run_backward, called from healthcheck/run/trainer.py:" in done.stderr
+    assert (out / "stacks" / "rank-0.txt").read_text().count("(most recent call first)") >= 1
     assert result_of(out)["status"] == "incomplete"
     assert elapsed < 120
     assert_no_workers_left(out)
