@@ -10,8 +10,11 @@ gradient is reduce-scattered only on the last micro-batch (``set_requires_gradie
 same loop with DistributedDataParallel instead, for comparisons.
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
-``--bug loss-x2-rank=R``: rank R multiplies its loss by 2. ``--bug stale-weights-rank=R``: rank R's copy of the
-checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
+``--clip N``: clip the gradient norm to N before each update (the default 0 does not clip).
+
+``--bug`` (comma-separated): ``loss-x2-rank=R``: rank R multiplies its loss by 2. ``stale-weights-rank=R``: rank R's
+copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
+``clip-rank=R``: rank R clips at a tenth of ``--clip`` (a per-node config): under FSDP2 it scales only its own shard.
 """
 
 import argparse
@@ -85,7 +88,8 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--bug", default="none", help="none, loss-x2-rank=R or stale-weights-rank=R")
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -93,8 +97,8 @@ def main():
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
-    bug, _, bug_rank = args.bug.partition("=")
-    if bug == "stale-weights-rank" and rank == int(bug_rank):
+    bugs = {bug: int(r) for bug, _, r in (item.partition("=") for item in args.bug.split(",")) if r}
+    if bugs.get("stale-weights-rank") == rank:
         with torch.no_grad():
             model.lm_head.weight.mul_(1.001)
     if args.wrap == "fsdp":
@@ -105,7 +109,8 @@ def main():
     sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    loss_scale = 2.0 if bug == "loss-x2-rank" and rank == int(bug_rank) else 1.0
+    loss_scale = 2.0 if bugs.get("loss-x2-rank") == rank else 1.0
+    clip = args.clip / 10 if bugs.get("clip-rank") == rank else args.clip
     if rank == 0 and os.path.exists(args.log):
         os.remove(args.log)
 
@@ -132,6 +137,8 @@ def main():
                     loss.backward()
                 stats += torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
             micro = []
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             optimizer.zero_grad()
             dist.all_reduce(stats)

@@ -77,16 +77,22 @@ def test_sketch_mode_follows_a_reduce_scatter_per_microbatch(runs):
         assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=bound), key
 
 
-def test_a_rank_with_stale_weights_before_sharding_is_named(tiny_llama, tmp_path):  # noqa: F811
+def test_a_rank_with_stale_weights_and_one_with_its_own_clipping_are_both_named(tiny_llama, tmp_path):  # noqa: F811
+    # Two faults no replicated state shows under FSDP2: rank 3's checkpoint differs before sharding, and rank 1
+    # clips its own shard at a tenth of the others' max_norm.
     out = tmp_path / "run"
     args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
-                      script_args=("--bug", "stale-weights-rank=3"))
+                      script_args=("--clip", "1.0", "--bug", "stale-weights-rank=3,clip-rank=1"))
     done = run_cli(*args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
-    assert failed.get("audit.sharded_state") == [3], failed
-    assert "lm_head.weight" in json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
+    assert failed.get("audit.sharded_state") == [3] and failed.get("audit.environment") == [1], failed
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert "lm_head.weight" in audits["sharded_state"]["message"]
+    assert audits["environment"]["message"] == (
+        "clip differs: ranks 0, 2-3 clip_grad_norm_ max_norm=1 norm_type=2; rank 1 clip_grad_norm_ max_norm=0.1 norm_type=2"
+    )
 
 
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from healthcheck.artifacts import SamplerPlan
+from healthcheck.artifacts import RankInfo, SamplerPlan
 from healthcheck.measure.evidence import rng_state_hashes
 from healthcheck.measure.module_facts import module_facts
 
@@ -187,6 +187,32 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         # Dropout rates, eval-mode modules and the attention kernel, as this forward runs them.
         "module": module_facts(module),
     }
+
+
+def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankInfo, Any]:
+    """This rank's :class:`RankInfo` from the first training forward's facts and its sampler, and its device."""
+    import torch
+
+    from healthcheck.measure import distributed as hdist
+    from healthcheck.measure.environment import device_name, rank_environment, versions
+
+    info = hdist.get_dist_info()
+    device = torch.device(facts.get("device", "cpu"))
+    return RankInfo(
+        rank=info.rank,
+        local_rank=info.local_rank,
+        node=info.node,
+        node_rank=info.node_rank,
+        device=str(device),
+        device_name=device_name(device),
+        torch_seed=facts.get("torch_seed"),
+        sampler_seed=plan.seed if plan else None,
+        sampler_rank=plan.rank if plan else None,
+        sampler_replicas=plan.num_replicas if plan else None,
+        precision=facts.get("precision", "unknown"),
+        versions=versions(),
+        env=rank_environment(),
+    ), device
 
 
 def optimizer_facts(optimizer: Any) -> dict[str, str]:

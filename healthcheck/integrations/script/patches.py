@@ -18,6 +18,7 @@ original on exit, in reverse order, whatever happened in between.
 * ``_BaseDataLoaderIter._next_index``: the indices of every batch any DataLoader fetches. It is
   private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
+* ``torch.nn.utils``' gradient clipping functions: how the script clips its model (:mod:`.clipping`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
+from healthcheck.integrations.script import clipping
 from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
@@ -76,7 +78,8 @@ class Patches:
 
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
-    ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)`` and ``session.waiting()``."""
+    ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
+    ``session.clips.observe(...)``."""
     import torch.distributed as dist
     import torch.multiprocessing as torch_mp
     from torch.nn.parallel import DistributedDataParallel
@@ -162,6 +165,7 @@ def install(session: Any) -> Patches:
             # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
+        clipping.patch(patches, lambda *call: session.clips.observe(*call))
     except BaseException:
         patches.restore()
         raise

@@ -12,7 +12,7 @@ On every worker, before the script runs, :class:`ScriptSession` installs its pat
   (after the synchronising backward) the monitor gathers the step's metrics; after it, parameter
   hashes are compared on check steps;
 * at the first step, what every rank trains with (seeds and RNG at the first training forward, the
-  environment, the first step's DataLoader indices) is gathered and judged at once, and so are the
+  environment, its loss and clipping settings, the first step's DataLoader indices) is gathered and judged at once, and so are the
   parameter hashes on check steps: with fail fast, a decisive failure ends the probe there;
 * after ``train.steps`` steps (or a non-finite step, or a decisive failure) every rank gathers its
   evidence, then :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same
@@ -34,12 +34,12 @@ from healthcheck.errors import InvalidInput
 from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
+from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.environment import device_name, rank_environment, versions
 from healthcheck.measure.evidence import AuditRecorder
 
 
@@ -68,6 +68,7 @@ class ScriptSession:
         self.config, self.hooks, self.started_at = config, hooks, started_at
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
+        self.clips = ClipRecorder(lambda: self._param_ids)
         self.loaders = observe.LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
@@ -314,30 +315,14 @@ class ScriptSession:
                 **observe.optimizer_facts(optimizer),
                 **self.capture.loss_settings(),
                 **observe.wrapper_facts(self.model),
+                **self.clips.facts(),
             }
         )
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
         loader = self.loaders.training_loader()
         plan = loader.plan if loader else None
-        info = hdist.get_dist_info()
-        import torch
-        device = torch.device(facts.get("device", "cpu"))
-        rank_info = RankInfo(
-            rank=info.rank,
-            local_rank=info.local_rank,
-            node=info.node,
-            node_rank=info.node_rank,
-            device=str(device),
-            device_name=device_name(device),
-            torch_seed=facts.get("torch_seed"),
-            sampler_seed=plan.seed if plan else None,
-            sampler_rank=plan.rank if plan else None,
-            sampler_replicas=plan.num_replicas if plan else None,
-            precision=facts.get("precision", "unknown"),
-            versions=versions(),
-            env=rank_environment(),
-        )
+        rank_info, device = observe.rank_info(facts, plan)
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and
         # the first step's DataLoader indices.
         early = RankEvidence(
