@@ -7,6 +7,7 @@ the rank and step that caused the failure, not the peers that failed because of 
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import traceback
@@ -18,6 +19,8 @@ from pydantic import ValidationError
 from healthcheck.artifacts import WorkerFailure
 from healthcheck.errors import one_line
 from healthcheck.judge.summary import summarize_run
+from healthcheck.run.console import LOGS_DIR
+from healthcheck.run.stacks import main_stack, where_waiting
 from healthcheck.run.watchdog import before_first_step, read_beats
 
 ERRORS_DIR = "errors"
@@ -98,26 +101,78 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
         return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else before_steps(rank)
 
     for rank, signum in sorted((signals or {}).items()):
-        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}"
+        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}{_last_words(run_dir, rank)}"
     reports = read_worker_failures(run_dir)
     causes = [r for r in reports if not any(marker in r.reason for marker in PEER_FAILURE_MARKERS)]
     if causes:
         first = min(causes, key=lambda r: r.time)
         at = f"at step {first.step}" if first.step is not None else before_steps(first.rank)
-        return f"rank {first.rank} failed {at}: {first.reason}"
+        alike = [r.rank for r in causes if r.reason == first.reason and r.step == first.step]
+        # Every rank failing alike (a check every rank makes, an error in the script's shared code) is not one
+        # rank's fault: naming the fastest reporter would point at the wrong rank.
+        who = "every rank" if len(alike) == len(beats) > 1 else f"rank {first.rank}"
+        return f"{who} failed {at}: {first.reason}"
     silent = sorted(set(beats) - {r.rank for r in reports})
     if reports and silent:
         ranks = ", ".join(map(str, silent))
         peers = ", ".join(str(r.rank) for r in sorted(reports, key=lambda r: r.rank))
+        words = _last_words(run_dir, silent[0])
         return (
-            f"rank {ranks} died without an error report {where(silent[0])} (killed by a signal or the OOM killer?); "
-            f"rank {peers} then lost the connection to it"
+            f"rank {ranks} died without an error report {where(silent[0])}"
+            f"{words or ' (killed by a signal or the OOM killer?)'}; rank {peers} then lost the connection to it"
         )
     if reports:
         first = min(reports, key=lambda r: r.time)
         return f"rank {first.rank} failed at step {first.step}: {first.reason}"
     last = summarize_run(run_dir, 0)["last_step"]
     return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+
+
+#: gloo's prefix on its enforce messages: a source location in torch's build tree, of no use to the reader.
+_ENFORCE_AT = re.compile(r"^\[enforce fail at [^]]*\] ")
+
+
+def _last_words(run_dir: Path, rank: int) -> str:
+    """``": <what the rank printed as it died>"`` from its log (when the console was quiet), or ``""``."""
+    try:
+        with open(run_dir / LOGS_DIR / f"rank-{rank}.log", "rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - 65536))
+            words = dying_words(log.read().decode(errors="replace"))
+    except OSError:
+        return ""
+    return f": {words}" if words else ""
+
+
+def dying_words(log: str) -> Optional[str]:
+    """What a process that died without a Python exception printed last: a C++ exception's type and ``what()``
+    (a gloo enforce, an NCCL error), or faulthandler's fatal error, with where its main thread was.
+
+    >>> dying_words('''terminate called after throwing an instance of 'gloo::EnforceNotMet'
+    ...   what():  [enforce fail at pair.cc:456] op.nbytes. 32800 vs 16400. Is there a collective mismatch?
+    ... Fatal Python error: Aborted
+    ...
+    ... Thread 0x00007f2b9e53cb80 (most recent call first):
+    ...   File "/v/site-packages/torch/distributed/distributed_c10d.py", line 4394 in all_gather_single
+    ...   File "/w/train.py", line 76 in main
+    ... ''')
+    'gloo::EnforceNotMet: op.nbytes. 32800 vs 16400. Is there a collective mismatch? (in all_gather_single, called from train.py:76 (main))'
+    """
+    lines = log.splitlines()
+    cpp = [i for i, line in enumerate(lines) if line.startswith("terminate called after throwing an instance of")]
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    words = None
+    if cpp:
+        kind = lines[cpp[-1]].split("instance of", 1)[1].strip().strip("'")
+        what = next((line.split("what():", 1)[1].strip() for line in lines[cpp[-1] + 1 : cpp[-1] + 3] if "what():" in line), "")
+        words = f"{kind}: {_ENFORCE_AT.sub('', what)}".rstrip(": ")
+    elif fatal:
+        words = lines[fatal[-1]].removeprefix("Fatal Python error: ").strip()
+    if words is None:
+        return None
+    if fatal and (frames := main_stack("\n".join(lines[fatal[-1] :]))):
+        words += f" (in {where_waiting(frames)})"
+    return one_line(words)[:600]
 
 
 def _signal_name(signum: int) -> str:

@@ -154,6 +154,8 @@ def where_waiting(frames: list[Frame]) -> str:
     """
     if not frames:
         return "no Python stack"
+    # A --script worker runs the script through runpy: the frames beyond it are healthcheck's runner.
+    frames = frames[: next((i for i, f in enumerate(frames) if i and f.file == "<frozen runpy>"), len(frames))]
     wait = _innermost_torch(frames)
     start = frames.index(wait) if wait else 0
     callers = [f for f in frames[start:] if not any(part in f.file for part in _MACHINERY)]

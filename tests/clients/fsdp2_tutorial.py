@@ -14,6 +14,7 @@ Logged per step (rank 0): the global token-weighted mean loss over the step's mi
 
 ``--bug`` (comma-separated): ``loss-x2-rank=R``: rank R multiplies its loss by 2. ``stale-weights-rank=R``: rank R's
 copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
+``bf16-except-rank=R``: FSDP2 computes in bf16 on every rank but R (fp32): FSDP2's first all-gather breaks.
 ``clip-rank=R``: rank R clips at a tenth of ``--clip`` (a per-node config): under FSDP2 it scales only its own shard.
 """
 
@@ -25,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,10 +68,10 @@ def collate_with(pad_id):
     return collate
 
 
-def shard(model):
+def shard(model, **kwargs):
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -102,7 +103,10 @@ def main():
         with torch.no_grad():
             model.lm_head.weight.mul_(1.001)
     if args.wrap == "fsdp":
-        model = shard(model)
+        # A per-node precision config: bf16 parameters in compute everywhere but on this rank.
+        mixed = bugs.get("bf16-except-rank") is not None
+        fp32 = torch.float32 if bugs.get("bf16-except-rank") == rank else torch.bfloat16
+        model = shard(model, **({"mp_policy": MixedPrecisionPolicy(param_dtype=fp32)} if mixed else {}))
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)

@@ -95,6 +95,19 @@ def test_a_rank_with_stale_weights_and_one_with_its_own_clipping_are_both_named(
     )
 
 
+def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all_gather(tiny_llama, tmp_path):  # noqa: F811
+    # Without the check, gloo aborts in C++ on a rank that receives rank 2's larger buffer (not always rank 2).
+    out = tmp_path / "run"
+    args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                      script_args=("--bug", "bf16-except-rank=2"))
+    done = run_cli(*args)
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-2000:]
+    failure = json.loads((out / "result.json").read_text())["failure"]
+    assert failure.startswith("every rank failed in the script, before its first optimizer step: ShardingDiffers: "), failure
+    assert "fsdp.mp_policy differs: ranks 0-1, 3 MixedPrecisionPolicy(param_dtype=torch.bfloat16" in failure
+    assert "; rank 2 MixedPrecisionPolicy(param_dtype=torch.float32" in failure
+
+
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
     out = tmp_path / "run"
     done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",

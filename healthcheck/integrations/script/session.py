@@ -37,6 +37,7 @@ from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
+from healthcheck.integrations.script.shard_agreement import check_agreement
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
@@ -77,6 +78,7 @@ class ScriptSession:
         self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self._sharded: list[Any] = []  #: every module passed to fully_shard
+        self._sharding_agreed = False  #: the ranks' sharding facts were compared (the root's first forward)
         self._pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.audit: Optional[AuditRecorder] = None
         self.steps_done = 0
@@ -182,7 +184,17 @@ class ScriptSession:
         for handle in self._fsdp_handles:
             handle.remove()
         self._fsdp_root = module
-        self._fsdp_handles = [*self.capture.watch(module), module.register_forward_pre_hook(eager(self._first_sharded_forward))]
+        self._fsdp_handles = [
+            *self.capture.watch(module),
+            module.register_forward_pre_hook(eager(self._first_sharded_forward)),
+            # Before FSDP2's own pre-forward hook (prepended at fully_shard), whose all-gather a disagreement breaks.
+            module.register_forward_pre_hook(eager(self._before_first_all_gather), prepend=True),
+        ]
+
+    def _before_first_all_gather(self, module: Any, args: Any) -> None:
+        if self.model is None and not self._sharding_agreed:
+            self._sharding_agreed = True
+            check_agreement(module)
 
     def _first_sharded_forward(self, module: Any, args: Any) -> None:
         import torch

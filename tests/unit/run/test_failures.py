@@ -32,3 +32,58 @@ def test_a_rank_killed_by_a_signal_in_the_script_before_its_first_step(tmp_path)
     assert describe_failure(tmp_path, "exit -9", signals={2: 9}) == (
         "rank 2 was killed by signal 9 (SIGKILL) in the script, before its first optimizer step"
     )
+
+
+_ABORT_LOG = """\
+[transformers] Token indices sequence length is longer than the specified maximum sequence length
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at /__w/pytorch/third_party/gloo/pair.cc:456] op.preamble.length <= op.nbytes. 32800 vs 16400. \
+Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+Fatal Python error: Aborted
+
+Thread 0x00007f2b9e53cb80 (most recent call first):
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 4394 in all_gather_single
+  File "/v/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/v/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", line 119 in __call__
+  File "/w/train.py", line 76 in main
+  File "/w/train.py", line 97 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/w/healthcheck/run/script_worker.py", line 117 in run
+"""
+
+
+def test_a_rank_that_aborted_in_cpp_is_described_by_its_last_words(tmp_path):
+    # A C++ exception (here gloo's check on a collective whose sizes differ between ranks) kills the process
+    # with SIGABRT and no Python exception: what it printed is the only account of why.
+    Heartbeat(tmp_path, 3).beat(-1, "script")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-3.log").write_text(_ABORT_LOG)
+    assert describe_failure(tmp_path, "exit -6", signals={3: 6}) == (
+        "rank 3 was killed by signal 6 (SIGABRT) in the script, before its first optimizer step: gloo::EnforceNotMet: "
+        "op.preamble.length <= op.nbytes. 32800 vs 16400. Received data size doesn't match expected size. Is there a "
+        "distributed collective mismatch in your code? (in all_gather_single, called from train.py:76 (main))"
+    )
+
+
+def test_a_silent_death_with_a_fatal_error_in_its_log_says_so_instead_of_guessing(tmp_path):
+    for rank in range(2):
+        Heartbeat(tmp_path, rank).beat(5, "backward")
+    record_worker_failure(tmp_path, 0, 5, RuntimeError("Connection reset by peer"))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-1.log").write_text(
+        'Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call first):\n  File "/w/ext.py", line 3 in kernel\n'
+    )
+    assert describe_failure(tmp_path, "exit -11") == (
+        "rank 1 died without an error report in step 5 (backward): Segmentation fault (in ext.py:3 (kernel)); "
+        "rank 0 then lost the connection to it"
+    )
+
+
+def test_every_rank_failing_alike_is_not_blamed_on_the_fastest_reporter(tmp_path):
+    for rank in range(3):
+        Heartbeat(tmp_path, rank).beat(-1, "script")
+        record_worker_failure(tmp_path, rank, None, RuntimeError("the ranks shard the model differently: rank 2 ..."))
+    assert describe_failure(tmp_path, "exit 1") == (
+        "every rank failed in the script, before its first optimizer step: RuntimeError: the ranks shard the model "
+        "differently: rank 2 ..."
+    )
