@@ -1,8 +1,9 @@
 """Before FSDP2's first all-gather: do the ranks shard the same model the same way?
 
 Why: FSDP2 all-gathers each parameter group at its first forward, sized by *this* rank's view of the group.
-A rank with another mixed-precision policy (``param_dtype`` fp32 where the others use bf16), another model
-dtype or other parameter shapes sends a buffer of another size. On gloo the receiving rank aborts in C++
+A rank with another mixed-precision ``param_dtype`` (fp32 where the others use bf16), another model dtype or
+other parameter shapes sends a buffer of another size (and another ``reduce_dtype`` or reshard choice breaks
+the backward's collectives the same way). On gloo the receiving rank aborts in C++
 (``Received data size doesn't match expected size``) and the rank that differs is not the one that dies; on
 NCCL a size mismatch can hang, and equal byte counts of different dtypes would be mixed silently. The
 environment audit compares the same settings, but only at the first optimizer step, which such a run never
@@ -19,7 +20,7 @@ from typing import Any
 
 from healthcheck.judge.exact_audits import environment_audit
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.fsdp_internals import root_facts
+from healthcheck.measure.fsdp_internals import param_groups
 
 
 class ShardingDiffers(RuntimeError):
@@ -27,8 +28,11 @@ class ShardingDiffers(RuntimeError):
 
 
 def sharding_facts(root: Any) -> dict[str, str]:
-    """What every rank's FSDP2 all-gathers depend on: the root's sharding settings, and a digest of its
-    parameters' names, global shapes and dtypes (a DTensor's shape is the unsharded one).
+    """What the sizes and the number of FSDP2's collectives depend on: the dtypes it all-gathers and
+    reduce-scatters in, whether it re-gathers in the backward, and a digest of the parameters' names, global
+    shapes and dtypes (a DTensor's shape is the unsharded one). Settings that leave the collectives alike
+    (``output_dtype``, offloading) are left to the environment audit at the first step, whose failure is a
+    verdict (exit 1) rather than a stop.
 
     >>> import torch
     >>> sharding_facts(torch.nn.Linear(2, 3))["fsdp.parameters"]
@@ -36,10 +40,15 @@ def sharding_facts(root: Any) -> dict[str, str]:
     """
     params = [(name, tuple(p.shape), str(p.dtype)) for name, p in root.named_parameters()]
     digest = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
-    facts = dict(root_facts(root)) if hasattr(root, "_get_fsdp_state") else {}
-    facts["fsdp.parameters"] = f"{len(params)} tensors, {sum(_numel(shape) for _, shape, _ in params)} elements, sha256 {digest}"
-    facts["fsdp.dtypes"] = " | ".join(sorted({dtype.removeprefix("torch.") for _, _, dtype in params}))
-    return facts
+    facts: dict[str, set[str]] = {"fsdp.param_dtype": set(), "fsdp.reduce_dtype": set(), "fsdp.reshard_after_forward": set()}
+    for _, _, group in param_groups(root):
+        facts["fsdp.param_dtype"].add(str(group.mp_policy.param_dtype))
+        facts["fsdp.reduce_dtype"].add(str(group.mp_policy.reduce_dtype))
+        facts["fsdp.reshard_after_forward"].add(str(group.post_forward_mesh_info is not None))
+    out = {name: " | ".join(sorted(values)) for name, values in facts.items() if values}
+    out["fsdp.parameters"] = f"{len(params)} tensors, {sum(_numel(shape) for _, shape, _ in params)} elements, sha256 {digest}"
+    out["fsdp.dtypes"] = " | ".join(sorted({dtype.removeprefix("torch.") for _, _, dtype in params}))
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
