@@ -41,6 +41,21 @@ def device_name(device: Any) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def rank_identity(info: Any, device: Any) -> dict[str, Any]:
+    """The :class:`~healthcheck.artifacts.RankInfo` fields every kind of worker fills alike: where the rank runs
+    (``info``: a :class:`~healthcheck.measure.distributed.DistInfo`) and with what software and variables."""
+    return {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "node": info.node,
+        "node_rank": info.node_rank,
+        "device": str(device),
+        "device_name": device_name(device),
+        "versions": versions(),
+        "env": rank_environment(),
+    }
+
+
 #: cuBLAS workspace settings under which its kernels are deterministic (the CUDA documentation's two).
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 

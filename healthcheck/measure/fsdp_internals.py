@@ -50,15 +50,29 @@ def param_groups(root: Any) -> Iterator[tuple[Any, Any, Any]]:
             yield module, state, group
 
 
+def group_settings(root: Any) -> dict[str, str]:
+    """Each sharding setting over the model's parameter groups, its distinct values joined: the mixed precision
+    policy (whole, and its all-gather and reduce-scatter dtypes), the offload policy, and whether the group
+    re-gathers in the backward (reshard after forward). A model without groups gives ``{}``."""
+    facts: dict[str, set[str]] = {}
+    for _, _, group in param_groups(root):
+        policy = group.mp_policy
+        for name, value in (
+            ("fsdp.mp_policy", str(policy)),
+            ("fsdp.param_dtype", str(policy.param_dtype)),
+            ("fsdp.reduce_dtype", str(policy.reduce_dtype)),
+            ("fsdp.offload_policy", type(group.offload_policy).__name__),
+            ("fsdp.reshard_after_forward", str(group.post_forward_mesh_info is not None)),
+        ):
+            facts.setdefault(name, set()).add(value)
+    return {name: " | ".join(sorted(values)) for name, values in facts.items()}
+
+
 def root_facts(root: Any) -> dict[str, str]:
     """The sharding settings every rank must share, for the environment audit: each distinct mixed
     precision policy, offload policy and reshard-after-forward choice over the model's parameter groups."""
-    facts: dict[str, set[str]] = {"fsdp.mp_policy": set(), "fsdp.offload_policy": set(), "fsdp.reshard_after_forward": set()}
-    for _, _, group in param_groups(root):
-        facts["fsdp.mp_policy"].add(str(group.mp_policy))
-        facts["fsdp.offload_policy"].add(type(group.offload_policy).__name__)
-        facts["fsdp.reshard_after_forward"].add(str(group.post_forward_mesh_info is not None))
-    return {name: " | ".join(sorted(values)) or "?" for name, values in facts.items()}
+    settings = group_settings(root)
+    return {name: settings.get(name, "?") for name in ("fsdp.mp_policy", "fsdp.offload_policy", "fsdp.reshard_after_forward")}
 
 
 def reduce_scatter_group(param_group: Any) -> Any:

@@ -49,14 +49,18 @@ def arm(run_dir: Path, rank: int) -> None:
     global _armed
     if DUMP_SIGNAL is None or not hasattr(faulthandler, "register"):  # a hang is then described without stacks
         return
-    folder = run_dir / STACKS_DIR
-    folder.mkdir(exist_ok=True)
+    path = dump_path(run_dir, rank)
+    path.parent.mkdir(exist_ok=True)
     if _armed is not None:
         _armed.close()
-    _armed = open(folder / f"rank-{rank}.txt", "w")
+    _armed = open(path, "w")
     _armed.write(f"main {threading.main_thread().ident:#x}\n")
     _armed.flush()
     faulthandler.register(DUMP_SIGNAL, file=_armed, all_threads=True)
+
+
+def dump_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / STACKS_DIR / f"rank-{rank}.txt"
 
 
 def request(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
@@ -66,20 +70,20 @@ def request(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dict[in
     """
     sizes: dict[int, int] = {}
     for rank, pid in pids.items():
-        path = run_dir / STACKS_DIR / f"rank-{rank}.txt"
         try:
-            sizes[rank] = path.stat().st_size
+            before = dump_path(run_dir, rank).stat().st_size
             assert DUMP_SIGNAL is not None  # a stacks file exists only where arm() could register
             os.kill(pid, DUMP_SIGNAL)
-        except (OSError, ProcessLookupError):
+        except OSError:  # no stacks file (never armed), or the process is gone: nothing to wait for
             continue
+        sizes[rank] = before
     dumps: dict[int, str] = {}
     deadline = time.monotonic() + wait_s
     last: dict[int, int] = {}
     while sizes.keys() - dumps.keys() and time.monotonic() < deadline:
         time.sleep(0.1)
         for rank in sizes.keys() - dumps.keys():
-            path = run_dir / STACKS_DIR / f"rank-{rank}.txt"
+            path = dump_path(run_dir, rank)
             size = path.stat().st_size if path.exists() else 0
             # faulthandler writes the whole dump from one signal handler; two equal sizes mean it is done.
             if size > sizes[rank] and last.get(rank) == size:

@@ -28,7 +28,7 @@ from healthcheck.judge.assemble import (
 )
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.environment import device_name, rank_environment, versions
+from healthcheck.measure.environment import rank_identity
 from healthcheck.measure.evidence import AuditRecorder
 from healthcheck.measure.module_facts import module_facts
 from healthcheck.measure.sharded_state import unsharded_weight_hashes
@@ -229,19 +229,12 @@ def _train(
         batches = MicroBatches(samples, plan, rank_config.train, tokenizer.pad_token_id)
 
         rank_info = RankInfo(
-            rank=info.rank,
-            local_rank=info.local_rank,
-            node=info.node,
-            node_rank=info.node_rank,
-            device=str(device),
-            device_name=device_name(device),
+            **rank_identity(info, device),
             seed=rank_config.train.seed,
             sampler_seed=plan.seed,
             sampler_rank=plan.rank,
             sampler_replicas=plan.replicas,
             precision=rank_config.train.precision,
-            versions=versions(),
-            env=rank_environment(),
             **seeds,
         )
         all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]

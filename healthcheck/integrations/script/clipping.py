@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-#: (function name, the keyword of its clipping threshold, that threshold's position after the parameters)
-CLIP_FUNCTIONS = (("clip_grad_norm_", "max_norm"), ("clip_grads_with_norm_", "max_norm"), ("clip_grad_value_", "clip_value"))
+#: Function name -> the keyword of its clipping threshold (also its first argument after the parameters).
+CLIP_FUNCTIONS = {"clip_grad_norm_": "max_norm", "clip_grads_with_norm_": "max_norm", "clip_grad_value_": "clip_value"}
 
 
 class ClipRecorder:
@@ -39,7 +39,7 @@ class ClipRecorder:
     def observe(self, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> None:
         if self._calls is None or not self.owned().intersection(id(p) for p in parameters):
             return
-        keyword = dict(CLIP_FUNCTIONS)[name]
+        keyword = CLIP_FUNCTIONS[name]
         threshold = kwargs.get(keyword, args[0] if args else None)
         setting = f"{name} {keyword}={_number(threshold)}"
         if name == "clip_grad_norm_":
@@ -85,6 +85,6 @@ def patch(patches: Any, on_clip: Callable[[str, list[Any], tuple, dict], None]) 
 
         return make
 
-    for name, _ in CLIP_FUNCTIONS:
+    for name in CLIP_FUNCTIONS:
         for home in (utils, clip_grad):
             patches.wrap(home, name, wrap(name))

@@ -194,24 +194,16 @@ def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankI
     import torch
 
     from healthcheck.measure import distributed as hdist
-    from healthcheck.measure.environment import device_name, rank_environment, versions
+    from healthcheck.measure.environment import rank_identity
 
-    info = hdist.get_dist_info()
     device = torch.device(facts.get("device", "cpu"))
     return RankInfo(
-        rank=info.rank,
-        local_rank=info.local_rank,
-        node=info.node,
-        node_rank=info.node_rank,
-        device=str(device),
-        device_name=device_name(device),
+        **rank_identity(hdist.get_dist_info(), device),
         torch_seed=facts.get("torch_seed"),
         sampler_seed=plan.seed if plan else None,
         sampler_rank=plan.rank if plan else None,
         sampler_replicas=plan.num_replicas if plan else None,
         precision=facts.get("precision", "unknown"),
-        versions=versions(),
-        env=rank_environment(),
     ), device
 
 

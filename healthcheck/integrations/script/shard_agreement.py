@@ -20,7 +20,10 @@ from typing import Any
 
 from healthcheck.judge.exact_audits import environment_audit
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.fsdp_internals import param_groups
+from healthcheck.measure.fsdp_internals import group_settings
+
+#: The settings that change the size or the number of FSDP2's collectives.
+COLLECTIVE_SETTINGS = ("fsdp.param_dtype", "fsdp.reduce_dtype", "fsdp.reshard_after_forward")
 
 
 class ShardingDiffers(RuntimeError):
@@ -40,12 +43,8 @@ def sharding_facts(root: Any) -> dict[str, str]:
     """
     params = [(name, tuple(p.shape), str(p.dtype)) for name, p in root.named_parameters()]
     digest = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
-    facts: dict[str, set[str]] = {"fsdp.param_dtype": set(), "fsdp.reduce_dtype": set(), "fsdp.reshard_after_forward": set()}
-    for _, _, group in param_groups(root):
-        facts["fsdp.param_dtype"].add(str(group.mp_policy.param_dtype))
-        facts["fsdp.reduce_dtype"].add(str(group.mp_policy.reduce_dtype))
-        facts["fsdp.reshard_after_forward"].add(str(group.post_forward_mesh_info is not None))
-    out = {name: " | ".join(sorted(values)) for name, values in facts.items() if values}
+    settings = group_settings(root)
+    out = {name: settings[name] for name in COLLECTIVE_SETTINGS if name in settings}
     out["fsdp.parameters"] = f"{len(params)} tensors, {sum(_numel(shape) for _, shape, _ in params)} elements, sha256 {digest}"
     out["fsdp.dtypes"] = " | ".join(sorted({dtype.removeprefix("torch.") for _, _, dtype in params}))
     return out
