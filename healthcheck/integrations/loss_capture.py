@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Iterator, Optional
 
 from healthcheck.integrations.eager import eager
@@ -45,6 +46,7 @@ from healthcheck.integrations.loss_hooks import (
     patch_label_smoother,
     unpatch,
 )
+from healthcheck.integrations.loss_weight import WeightProbe, step_weight
 
 
 @dataclasses.dataclass
@@ -54,6 +56,8 @@ class StepLoss:
     loss: Optional[float]
     tokens: Optional[int]
     reason: Optional[str] = None  #: why ``loss`` is None
+    #: The loss's weight in this rank's backward (:mod:`healthcheck.integrations.loss_weight`); NaN: not known.
+    weight: float = math.nan
 
 
 @dataclasses.dataclass
@@ -62,6 +66,11 @@ class _MicroBatch:
     fused: Optional[tuple[Any, Any]] = None
     cross_entropy: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     model_loss: Optional[Any] = None
+    # Each source's WeightProbe, in the same order as its entries.
+    explicit_probes: list[WeightProbe] = dataclasses.field(default_factory=list)
+    fused_probe: Optional[WeightProbe] = None
+    cross_entropy_probes: list[WeightProbe] = dataclasses.field(default_factory=list)
+    model_probe: Optional[WeightProbe] = None
     labels: Optional[Any] = None
     num_items: Optional[Any] = None
     problem: Optional[str] = None
@@ -73,6 +82,7 @@ class LossCapture:
     def __init__(self) -> None:
         self._micro: list[_MicroBatch] = []
         self._outside: list[tuple[Any, Any]] = []  # record_loss calls before any training forward
+        self._outside_probes: list[WeightProbe] = []
         self._handles: list[Any] = []
         self._paused = False
         self._compiled_loss = False  # a cross-entropy was met only while torch.compile traced it
@@ -146,8 +156,10 @@ class LossCapture:
         if isinstance(log_probs, torch.Tensor) and isinstance(label_mask, torch.Tensor):
             # TRL zeroes ignored positions already; masking again costs nothing and does not rely on it.
             micro.fused = (-(log_probs.detach().float() * label_mask).sum(), label_mask.sum())
+            micro.fused_probe = WeightProbe(log_probs)
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
             micro.model_loss = loss.detach().float()
+            micro.model_probe = WeightProbe(loss)
 
     def observe_cross_entropy(self, input: Any, target: Any, kwargs: dict, result: Any) -> None:
         """Called by the patched ``F.cross_entropy`` with its arguments and result."""
@@ -180,6 +192,7 @@ class LossCapture:
         else:
             summed = value.sum()
         micro.cross_entropy.append((summed, tokens))
+        micro.cross_entropy_probes.append(WeightProbe(result))
 
     def observe_label_smoother(self, smoother: Any, labels: Any, shift_labels: bool, num_items: Any, result: Any) -> None:
         """Called by the patched ``LabelSmoother.__call__``: its result is its per-token objective summed over the
@@ -196,6 +209,7 @@ class LossCapture:
         # An all-ignored micro-batch without num_items is 0/0 and contributes nothing.
         summed = torch.where(tokens > 0, value * denominator, torch.zeros_like(value))
         self._micro[-1].cross_entropy.append((summed, tokens))
+        self._micro[-1].cross_entropy_probes.append(WeightProbe(result))
         if self._settings is not None:
             epsilon = f"{float(getattr(smoother, 'epsilon', 0.0)):g}"
             dtype = str(result.dtype).removeprefix("torch.")
@@ -220,10 +234,13 @@ class LossCapture:
         value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         count = tokens if tokens is not None else 1
         entry = (value * count, count)
+        probe = WeightProbe(loss if isinstance(loss, torch.Tensor) else value)
         if self._micro:
             self._micro[-1].explicit.append(entry)
+            self._micro[-1].explicit_probes.append(probe)
         else:
             self._outside.append(entry)
+            self._outside_probes.append(probe)
 
     def loss_settings(self) -> dict[str, str]:
         """How the cross-entropies this rank's backward went through so far were called, for the environment audit:
@@ -253,71 +270,83 @@ class LossCapture:
 
     def take(self) -> StepLoss:
         """This rank's loss since the last call (one host sync), and reset."""
-        micro, outside = self._micro, self._outside
-        self._micro, self._outside = [], []
+        micro, outside, outside_probes = self._micro, self._outside, self._outside_probes
+        self._micro, self._outside, self._outside_probes = [], [], []
         explicit = outside + [entry for m in micro for entry in m.explicit]
         if explicit:
-            return _combine(explicit, None)
+            probes = outside_probes + [probe for m in micro for probe in m.explicit_probes]
+            return _combine(explicit, probes)
         if not micro:
             return StepLoss(None, None, "no training forward of the model was seen in this step")
         pieces: list[tuple[Any, Any]] = []
+        weighed: list[WeightProbe] = []
         for index, m in enumerate(micro):
-            piece, problem = _resolve(m, self._compiled_loss)
+            piece, probe, problem = _resolve(m, self._compiled_loss)
             if problem is not None:
                 return StepLoss(None, _label_tokens_total(micro), f"micro-batch {index}: {problem}")
             pieces.append(piece)
-        return _combine(pieces, None)
+            weighed.append(probe)
+        return _combine(pieces, weighed)
 
 
-def _resolve(micro: _MicroBatch, compiled: bool) -> tuple[Any, Optional[str]]:
-    """(summed loss, tokens) of one micro-batch, or the reason it cannot be known (``compiled``: a
-    cross-entropy was met only in a torch.compile trace)."""
+def _resolve(micro: _MicroBatch, compiled: bool) -> tuple[Any, Any, Optional[str]]:
+    """(summed loss, tokens) of one micro-batch and the probe of the tensor it was read from, or the reason it
+    cannot be known (``compiled``: a cross-entropy was met only in a torch.compile trace)."""
     if micro.problem is not None:
-        return None, micro.problem
+        return None, None, micro.problem
     if micro.fused is not None:
-        return micro.fused, None
+        return micro.fused, micro.fused_probe, None
     if micro.cross_entropy:
         distinct = _distinct(micro.cross_entropy)
         if len(distinct) > 1:
-            return None, f"{len(distinct)} different cross-entropy losses were computed; which one trains is unknown"
-        return distinct[0], None
+            return None, None, f"{len(distinct)} different cross-entropy losses were computed; which one trains is unknown"
+        # Of equal values, the one the backward went through (a script's recomputation for logging gets none).
+        equal = [micro.cross_entropy_probes[i] for i in distinct[0]]
+        return micro.cross_entropy[distinct[0][0]], next((p for p in equal if p.grad is not None), equal[0]), None
     if micro.model_loss is not None:
         tokens = _label_tokens(micro.labels)
         if micro.num_items is not None:
-            return (micro.model_loss * micro.num_items, tokens if tokens is not None else micro.num_items), None
+            return (micro.model_loss * micro.num_items, tokens if tokens is not None else micro.num_items), micro.model_probe, None
         if tokens is not None:
-            return (micro.model_loss * tokens, tokens), None
-        return None, "the model returned a loss but no labels to count its tokens"
+            return (micro.model_loss * tokens, tokens), micro.model_probe, None
+        return None, None, "the model returned a loss but no labels to count its tokens"
     if compiled:
-        return None, (
+        return None, None, (
             "the loss is computed inside a torch.compile'd region, where healthcheck cannot see its cross-entropy; "
             "return it as the model's `loss` output, or call healthcheck.record_loss(loss, tokens) outside that region"
         )
-    return None, (
+    return None, None, (
         "no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
         "call healthcheck.record_loss(loss, tokens) for a custom loss"
     )
 
 
-def _distinct(entries: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    # The same loss is often computed twice (inside a Hugging Face model given labels, and again by
-    # the script); equal values count once. One host sync per micro-batch with several calls only.
-    out: list[tuple[Any, Any]] = []
-    for summed, tokens in entries:
+def _distinct(entries: list[tuple[Any, Any]]) -> list[list[int]]:
+    """The entries' indices grouped by equal value: the same loss is often computed twice (inside a Hugging Face
+    model given labels, and again by the script), and equal values count once. One host sync per micro-batch
+    with several calls only."""
+    groups: list[list[int]] = []
+    for index, (summed, tokens) in enumerate(entries):
         s, n = float(summed), int(tokens)
-        if not any(abs(s - float(o)) <= 1e-6 * max(1.0, abs(s)) and n == int(c) for o, c in out):
-            out.append((summed, tokens))
-    return out
+        for group in groups:
+            o, c = entries[group[0]]
+            if abs(s - float(o)) <= 1e-6 * max(1.0, abs(s)) and n == int(c):
+                group.append(index)
+                break
+        else:
+            groups.append([index])
+    return groups
 
 
-def _combine(entries: list[tuple[Any, Any]], reason: Optional[str]) -> StepLoss:
+def _combine(entries: list[tuple[Any, Any]], probes: list[WeightProbe]) -> StepLoss:
     import torch
 
     summed = torch.stack([torch.as_tensor(s, dtype=torch.float64).reshape(()).cpu() for s, _ in entries]).sum()
     tokens = int(sum(int(t) for _, t in entries))
     if tokens <= 0:
         return StepLoss(None, tokens, "the step had no loss-carrying tokens")
-    return StepLoss(float(summed) / tokens, tokens, reason)
+    weight = step_weight([probe.weight(s, t) for probe, (s, t) in zip(probes, entries, strict=True)])
+    return StepLoss(float(summed) / tokens, tokens, None, weight)
 
 
 def _traced(value: Any) -> bool:

@@ -32,6 +32,7 @@ from healthcheck.judge.exact_audits import (
     reduction_audit,
     seed_audit,
 )
+from healthcheck.judge.loss_weight import loss_weight_audit
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
 from healthcheck.judge.shard_audit import data_shard_audit
@@ -72,6 +73,13 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         columns = per_step.setdefault(row["step"], {m: [None] * world for m in per_rank_columns})
         for metric in per_rank_columns:
             columns[metric][row["rank"]] = row.get(metric)
+    if config.script is not None:  # the captured loss's weight in each rank's backward: script mode's capture
+        weights: dict[int, list[Any]] = {}
+        tokens: dict[int, list[Any]] = {}
+        for row in rows:
+            weights.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("loss_weight")
+            tokens.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("tokens")
+        outcomes["loss_weight"] = loss_weight_audit(weights, tokens)
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]

@@ -178,25 +178,20 @@ def restore_all_gather(param_group: Any, inner: Any) -> None:
 @functools.lru_cache(maxsize=None)
 def timed_all_gather_class() -> type:
     """The ``AllGather`` subclass that times every call of the comm it wraps (see :func:`comm_class`)."""
-    import time
-
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     class TimedAllGather(AllGather):
-        """One parameter group's all-gather, passed through; the seconds each call took go to ``on_time``."""
+        """One parameter group's all-gather, passed through inside ``span()`` (the monitor's timer of a wait)."""
 
-        def __init__(self, inner: Any, on_time: Callable[[float], None]):
-            self.inner, self.on_time = inner, on_time
+        def __init__(self, inner: Any, span: Callable[[], Any]):
+            self.inner, self.span = inner, span
 
         def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
-            start = time.perf_counter()
-            try:
+            with self.span():
                 return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
-            finally:
-                self.on_time(time.perf_counter() - start)
 
     return TimedAllGather
 

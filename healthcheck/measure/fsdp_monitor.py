@@ -28,7 +28,11 @@ mean of the slices the all-to-all brought (exact mode has them; sketch mode exch
 
 Step time. Every all-gather and reduce-scatter is timed, and the waits travel with the step's numbers:
 ``busy_ms`` is the ranks' median own work plus the time the others waited for this rank alone
-(:mod:`healthcheck.measure.lateness`), the ``late_ms`` extra.
+(:mod:`healthcheck.measure.lateness`), the ``late_ms`` extra. On a CPU host, as under DDP, own work leaves
+out the time the rank sat waiting for a core (``runq_ms``, :mod:`healthcheck.measure.runqueue`): on 8 ranks
+sharing 2 cores that is about two thirds of a step. With it in the median, a 50 ms straggler read 1.045x (above
+1.035x in 17 of 28 steps: missed) when one more busy process shared the host; without it, 1.24x (28 of 28 steps),
+with or without that process.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from typing import Any, Iterator
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed, fsdp_internals, lateness
+from healthcheck.measure import distributed, fsdp_internals, lateness, runqueue
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
@@ -115,6 +119,10 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
         self._waits: list[float] = []  # ms this step spent inside each of FSDP2's blocking collectives, in order
+        self._waited = 0.0  # seconds of those waits, less the time this rank sat runnable without a core
+        # A CPU host's run-queue clock (measure/runqueue.py); on a GPU the monitor reads none, as under DDP.
+        first = next(iter(model.parameters()), None)
+        self._on_host = first is not None and first.device.type == "cpu"
         comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
         self._gathers = []
@@ -122,21 +130,24 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             comm = comm_class(index, param_group, self._on_reduce_scatter)
             comm.inner = fsdp_internals.install(module, state, param_group, comm)
             self._comms.append(comm)
-            gather = gather_class(param_group._all_gather_comm, self._add_wait)
+            gather = gather_class(param_group._all_gather_comm, self._waiting)
             fsdp_internals.install_all_gather(param_group, gather)
             self._gathers.append((param_group, gather))
 
-    def _add_wait(self, seconds: float) -> None:
-        self._waits.append(seconds * 1000)
-
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
-        """Count the enclosed blocking collective's time as waiting (see :meth:`_on_reduce_scatter`)."""
-        start = time.perf_counter()
+        """Count the enclosed blocking collective's time as waiting (see :meth:`_on_reduce_scatter`).
+
+        Its wall time decides who arrived last (all ranks leave together); what busy_ms leaves out is that
+        time less the run-queue wait in it, which the step's own run-queue wait already holds."""
+        start, queued_from = time.perf_counter(), runqueue.read() if self._on_host else None
         try:
             yield
         finally:
-            self._add_wait(time.perf_counter() - start)
+            wall = time.perf_counter() - start
+            self._waits.append(wall * 1000)
+            queued = runqueue.waited_between(queued_from, runqueue.read()) if queued_from is not None else None
+            self._waited += wall - (queued or 0.0)
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         # Every rank ran the same collectives in the same order, so the names match across ranks.
@@ -172,7 +183,9 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         # a straggler's delay is spent waiting by the *others*, inside the step. Without these waits busy_ms would
         # be the same on every rank. What is left is only the ranks' typical own work: :meth:`_complete` adds who
         # was waited for.
-        self._waited_at_arrival = sum(self._waits) / 1000
+        self._waited_at_arrival = self._waited
+        if self._on_host:
+            self._read_host_clock()
         index, world = comm.index, self._world
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         if calls > 1 and self.direction == "exact" and not self.every_microbatch:
@@ -281,7 +294,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         super()._clear_partials()
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
-        self._waited_at_arrival = 0.0
+        self._waited_at_arrival = self._waited = 0.0
         self._waits = []
 
     def close(self) -> None:

@@ -47,7 +47,9 @@ def lockstep_busy_ms(busy_ms: Sequence[float], blame: Sequence[float]) -> list[f
     """The step time each rank would need on its own: the ranks' median own work plus its blame.
 
     The stragglers audit divides each rank's value by the other ranks' median, so a rank that made the
-    others wait 40 ms in a step whose own work takes ~370 ms reads 1.11x, as DDP's busy_ms would.
+    others wait 40 ms in a step whose own work takes ~170 ms reads 1.24x, as DDP's busy_ms would. On a CPU
+    host ``busy_ms`` leaves out the time each rank waited for a core, as under DDP: with it, the same 40 ms
+    read 1.04x to 1.11x as the host's load moved the median own work between 370 and 720 ms.
 
     >>> lockstep_busy_ms([300.0, 320.0, 310.0], [0.0, 0.0, 31.0])
     [310.0, 310.0, 341.0]

@@ -159,13 +159,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if buffer.device.type == "cpu":
             if bucket.is_last():
                 self._queue_release()
-            # On a host shared by more ranks than cores, the time this rank sat waiting for a core is not
-            # its own slowness (measure/runqueue.py); on a GPU the wait is the device's, so nothing is read.
-            self._queued_at_arrival = runqueue.read()
-            if self._cores_shared is None:
-                # Without a launcher's LOCAL_WORLD_SIZE (mp.spawn), count every rank as local: the safe side.
-                local = distributed.get_dist_info().local_world_size if distributed.launched_externally() else self._world
-                self._cores_shared = runqueue.cores_shared(local)
+            self._read_host_clock()
         # The previous sampled step's numbers ride on this step's last all-reduce (see _carry).
         carry = self._carry(buffer) if self.exchange == "carry" and bucket.is_last() else None
         sampling = self._sampling()

@@ -71,7 +71,7 @@ class ConsistencyMonitor:
         self._queued_at_release: tuple[int, float] | None = None
         self._queued_at_arrival: tuple[int, float] | None = None
         # Whether this rank's host runs more ranks than it has cores; None for a monitor that reads no
-        # run-queue clock (a GPU, FSDP2's blame). When set, each step carries the ``runq_ms`` it subtracted.
+        # run-queue clock (a GPU). When set, each step carries the ``runq_ms`` it subtracted.
         self._cores_shared: bool | None = None
         # Time this rank spent waiting on the others between the release and the arrival (measure/wait_clock.py).
         self._wait_clock = WaitClock()
@@ -174,6 +174,18 @@ class ConsistencyMonitor:
         (:mod:`healthcheck.measure.wait_clock` says why). The FSDP2 monitor times its own collectives instead.
         """
         return self._wait_clock.span()
+
+    def _read_host_clock(self) -> None:
+        """At this rank's arrival, on a CPU host: the run-queue clock, and (once) whether ranks share its cores.
+
+        On a host shared by more ranks than cores, the time this rank sat waiting for a core is not its own
+        slowness (measure/runqueue.py). On a GPU the wait is the device's, so the monitors do not read it there.
+        """
+        self._queued_at_arrival = runqueue.read()
+        if self._cores_shared is None:
+            # Without a launcher's LOCAL_WORLD_SIZE (mp.spawn), count every rank as local: the safe side.
+            local = distributed.get_dist_info().local_world_size if distributed.launched_externally() else self._world
+            self._cores_shared = runqueue.cores_shared(local)
 
     def _take_release(self) -> tuple[float, tuple[int, float] | None]:
         """When this step's reduction ended, and the run-queue clock then; a new wait count starts.

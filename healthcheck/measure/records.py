@@ -18,9 +18,6 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
     compute = extras.get("compute_ms") or [None] * world
     busy = extras.get("busy_ms") or [None] * world
     tokens = data.get("per_rank_tokens") or [None] * world
-    # The run-queue wait busy_ms left out (DDP on a CPU host); None where the rank shares cores with other
-    # ranks and no clock was read, so busy_ms still holds it (measure/runqueue.py). Absent where not read.
-    runq = extras.get("runq_ms")
     rows = [
         {
             "step": step,
@@ -34,9 +31,14 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for rank, loss in enumerate(data["per_rank_loss"])
     ]
-    if runq is not None:
-        for row, value in zip(rows, runq, strict=True):
-            row["runq_ms"] = finite_or_none(value)
+    # runq_ms: the run-queue wait busy_ms left out (a CPU host); None where the rank shares cores with other
+    # ranks and no clock was read, so busy_ms still holds it (measure/runqueue.py). loss_weight (script mode):
+    # the weight of the rank's loss in its own backward (integrations/loss_weight.py). Each absent where not read.
+    for key in ("runq_ms", "loss_weight"):
+        values = extras.get(key)
+        if values is not None:
+            for row, value in zip(rows, values, strict=True):
+                row[key] = finite_or_none(value)
     return rows
 
 

@@ -4,6 +4,10 @@ torchrun --nproc_per_node 4 -- trl_sft.py --model DIR --data JSON --steps 6 --lo
 
 completion_only_loss=True: only completion tokens carry loss. Knows nothing about healthcheck. Appends each logged
 per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
+
+``--loss-scale-rank R`` reproduces a per-node loss tweak for healthcheck's detection tests: rank R's trainer
+multiplies TRL's loss by 1.5 in its ``compute_loss`` (TRL divides by a token count over every rank, so the
+ranks' weights differ with their data even without it).
 """
 
 import argparse
@@ -36,6 +40,14 @@ class LossFile(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
 
 
+class ScaledLossTrainer(SFTTrainer):
+    """TRL's loss times 1.5: what a branch taken on one node only does."""
+
+    def compute_loss(self, *args, **kwargs):
+        out = super().compute_loss(*args, **kwargs)
+        return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -45,6 +57,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--loss-scale-rank", type=int, default=-1)
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -70,7 +83,8 @@ def main():
         seed=1234,
         dataloader_num_workers=0,
     )
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    scaled = int(os.environ.get("RANK", "0")) == args.loss_scale_rank
+    trainer = (ScaledLossTrainer if scaled else SFTTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 

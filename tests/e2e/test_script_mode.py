@@ -124,7 +124,9 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
     [
         ("sampler-seed-per-rank", STEPS, "audit.data_shards", {1, 2, 3}),
         ("reseed-rank=1", STEPS, "audit.seeds", {1}),
-        ("loss-x2-rank=2", 12, "audit.rank_outliers", {2}),
+        # Exact: the backward hands rank 2's loss twice the others' gradient (judge/loss_weight.py). The gradient
+        # norms' outlier test needed 12 steps to see it.
+        ("loss-x2-rank=2", STEPS, "audit.loss_weight", {2}),
         # Settings no parameter holds: read at the first training forward, decisive at step 0.
         ("eval-pass-rank=0", STEPS, "audit.environment", {0}),
         ("dropout-rank=3", STEPS, "audit.environment", {3}),
@@ -150,7 +152,7 @@ def test_a_faulty_script_fails_and_names_the_rank(bug, steps, check, ranks, tiny
     assert check in failed, failed
     assert failed[check] == ranks, (check, failed[check])
     result = json.loads((out / "result.json").read_text())
-    if check in ("audit.rank_outliers", "audit.stragglers"):
+    if check in ("audit.loss_weight", "audit.stragglers"):  # judged after the run, over its steps
         assert result["stopped_early"] is None and result["steps_completed"] == steps
     else:
         assert result["stopped_early"] == {"step": 0, "check": check.removeprefix("audit."),
@@ -219,6 +221,19 @@ def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tin
         ranks = [r for r in rows if r["step"] == step]
         rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
         assert rebuilt == pytest.approx(own[step + 1], rel=1e-4), (step, rebuilt, own)
+
+
+def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(tiny_llama, tmp_path):
+    # TRL divides by a token count over every rank, so each rank's weight is N_rank / N_all: judged per token.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("trl_sft", out, tiny_llama, tmp_path / "loss.jsonl", steps=4,
+                               script_args=("--loss-scale-rank", "1")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    verdict = json.loads((out / "verdict.json").read_text())
+    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    assert failed == {"audit.loss_weight": [1]}, failed
+    message = json.loads((out / "result.json").read_text())["audits"]["loss_weight"]["message"]
+    assert message.startswith("rank 1's loss enters its backward with 1.5x the weight per token of ranks 0, 2-3's"), message
 
 
 def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(tiny_llama, tmp_path):

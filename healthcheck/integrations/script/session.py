@@ -271,6 +271,7 @@ class ScriptSession:
         # stragglers audit uses the monitor's busy_ms, which excludes it).
         extras = {"compute_ms": (time.perf_counter() - self._last_post) * 1000}
         step_loss = self.capture.take()
+        extras["loss_weight"] = step_loss.weight  # the loss's weight in this rank's backward (judge/loss_weight.py)
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None

@@ -1,0 +1,75 @@
+"""How much a rank's own loss weighs in its own backward: the gradient that reaches the captured loss.
+
+A script that scales its loss on one rank (``loss * 1.5`` after the model's loss, an accumulation divisor or
+a loss scale read from a per-node config) trains that rank's data harder. DDP and FSDP2 average the
+gradients, so every replica stays equal and the statistics see only a rank whose gradient norm is a little
+larger: in a 10-step probe rank 3's ×1.5 had the largest norm in 8 of 10 steps, not significant.
+
+The backward itself says it exactly. For a captured loss tensor X (a cross-entropy's result, the model's
+``loss`` output, TRL's log-probs, a :func:`~healthcheck.record_loss` value) whose micro-batch sums the token
+loss S over N tokens, the script's root R hands X the gradient G = ∂R/∂X. When R = c · S/N (plus terms
+without X), ⟨G, X⟩ = c · S/N for every such X: a mean or summed cross-entropy (G = c or c/N), per-token
+losses (G = c/N each), log-probs (G = −c/N on the counted tokens). So w = ⟨G, X⟩ · N / S = c, and a step's
+weight is the sum over its micro-batches: 1 for ``(loss / accum).backward()`` on each of ``accum``.
+
+A script that divides by a count over every rank (TRL, the Trainer's ``num_items_in_batch``) has
+w = c · N / N_all, which follows the data; :mod:`healthcheck.judge.loss_weight` tells the two apart.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+
+class WeightProbe:
+    """Watches one captured loss tensor for the gradient the backward hands it.
+
+    >>> import torch
+    >>> logits = torch.randn(3, 5, requires_grad=True)
+    >>> loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]))
+    >>> probe = WeightProbe(loss)
+    >>> (1.5 * loss).backward()
+    >>> round(float(probe.weight(loss.detach() * 3, 3)), 6)
+    1.5
+    >>> WeightProbe(loss.detach()).weight(loss.detach() * 3, 3) is None  # never in a backward
+    True
+    """
+
+    def __init__(self, tensor: Any):
+        self.value = tensor.detach()
+        self.grad: Optional[Any] = None
+        if tensor.requires_grad:
+            tensor.register_hook(self._seen)
+
+    def _seen(self, grad: Any) -> None:
+        self.grad = grad.detach() if self.grad is None else self.grad + grad.detach()
+
+    def weight(self, summed: Any, tokens: Any) -> Optional[Any]:
+        """``⟨G, X⟩ · N / S`` as a float64 tensor (no host sync), or None where no gradient reached X."""
+        if self.grad is None:
+            return None
+        import torch
+
+        dot = (self.grad.to(torch.float64) * self.value.to(torch.float64)).sum()
+
+        def as64(value: Any) -> Any:
+            return torch.as_tensor(value, dtype=torch.float64, device=dot.device)
+
+        return dot * as64(tokens) / as64(summed)
+
+
+def step_weight(weights: Sequence[Optional[Any]]) -> float:
+    """The step's weight: the sum of its micro-batches' (read on the host); NaN when any is unknown or 0/0.
+
+    >>> import torch
+    >>> step_weight([torch.tensor(0.5, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)])
+    1.0
+    >>> math.isnan(step_weight([torch.tensor(1.0), None])), math.isnan(step_weight([]))
+    (True, True)
+    """
+    known = [float(w) for w in weights if w is not None]
+    if not weights or len(known) < len(weights):
+        return math.nan
+    total = math.fsum(known)
+    return total if math.isfinite(total) else math.nan

@@ -1,0 +1,149 @@
+"""The loss-weight audit: does every rank's loss enter its own backward with the same weight?
+
+Each rank's weight per step (:mod:`healthcheck.integrations.loss_weight`) is the factor c in the script's
+``backward(c · token-mean loss)``: 1 for a plain loop, 1/accum per micro-batch summed to 1, the loss scale
+under a ``GradScaler`` (the same on every rank, whatever it does from step to step). A rank whose loss the
+script scales on its own (a per-node config, a bug in one branch) has a constant ratio to the others.
+
+Exact, not statistical: the weights are read off the backward, so ranks that agree agree to float
+rounding (~1e-7 relative). Two cases are told apart by the ratios to the step's median over the ranks:
+
+* every rank's ratio is the same in every judged step: a constant per-rank scale. The audit fails when
+  the ranks fall into more than one level, naming the ranks outside the largest;
+* some rank's ratio moves from step to step: the script weighs each rank's loss by its data. Where it divides
+  by a count over every rank (TRL, the Trainer's ``num_items_in_batch``), w = c · N_rank / N_all, so the
+  weight per loss token, w / N_rank = c / N_all, is the same on every rank: the audit judges that instead.
+  Weights that follow the data either way are not judged, and the audit says so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Mapping, Optional, Sequence
+
+from healthcheck.judge.audit_outcome import AuditOutcome, not_measured, odd_ones_out, partition_signature, ranks_phrase
+
+#: Relative difference within which two weights (or a rank's ratio in two steps) are the same: float32
+#: rounding of the loss and its gradient is ~1e-7, and a scale that matters is far above 1e-4.
+TOLERANCE = 1e-4
+
+
+def loss_weight_audit(
+    weights: Mapping[int, Sequence[Optional[float]]],
+    tokens: Optional[Mapping[int, Sequence[Optional[float]]]] = None,
+    tolerance: float = TOLERANCE,
+) -> AuditOutcome:
+    """Judge ``step -> per-rank weight`` (None where a rank's loss was not seen in its backward), and, where the
+    weights follow the data, the weights per token (``tokens``: ``step -> per-rank`` loss tokens).
+
+    >>> clean = {s: [1.0, 1.0, 1.0, 1.0] for s in range(5)}
+    >>> print(loss_weight_audit(clean).message)
+    every rank's loss enters its backward with the same weight (1 in each of 5 steps)
+    >>> scaled = {s: [1.0, 1.0, 1.0, 1.5] for s in range(5)}
+    >>> print(loss_weight_audit(scaled).message)
+    rank 3's loss enters its backward with 1.5x the weight of ranks 0-2's, in each of 5 steps: that data trains the model 1.5x as hard
+    >>> counts = {s: [40.0 + s, 50.0, 45.0 - s, 60.0] for s in range(5)}  # a count over every rank: w = N / N_all
+    >>> global_count = {s: [n / sum(row) * (1.5 if r == 2 else 1.0) for r, n in enumerate(row)] for s, row in counts.items()}
+    >>> print(loss_weight_audit(global_count, counts).message)  # doctest: +ELLIPSIS
+    rank 2's loss enters its backward with 1.5x the weight per token of ranks 0-1, 3's, ...
+    >>> loss_weight_audit(global_count).signature  # without the counts
+    'data-dependent'
+    """
+    judged = sorted(s for s, row in weights.items() if row and all(_positive(w) for w in row))
+    if len(judged) < 2:
+        return not_measured(
+            f"{len(judged)} step(s) in which every rank's captured loss reached its backward; 2 are needed to tell "
+            "a constant per-rank scale from weights that follow the data"
+        )
+    table = {s: [float(w) for w in weights[s] if w is not None] for s in judged}  # every weight is known there
+    ratios, moving = _ratios(table, tolerance)
+    per = ""
+    if moving and tokens is not None:
+        # A script that divides by a count over every rank: w = c * N_rank / N_all, so w / N_rank is c / N_all.
+        counted = [s for s in judged if s in tokens and all(_positive(n) for n in tokens[s])]
+        if len(counted) >= 2:
+            per_token = {s: [w / float(n) for w, n in zip(table[s], tokens[s], strict=True) if n is not None] for s in counted}
+            token_ratios, token_moving = _ratios(per_token, tolerance)
+            if not token_moving:
+                judged, table, ratios, moving, per = counted, per_token, token_ratios, token_moving, " per token"
+    details = {"steps_judged": len(judged), "ratio_to_median": [round(statistics.median(v), 6) for v in ratios]}
+    if per:
+        details["per_token"] = True
+    if moving:
+        lo, hi = min(min(ratios[r]) for r in moving), max(max(ratios[r]) for r in moving)
+        return AuditOutcome(
+            True,
+            f"not judged: the ranks' loss weights follow their data ({ranks_phrase(moving)} at {lo:.3g}x to {hi:.3g}x the "
+            "ranks' median), per rank and per token alike; a constant per-rank scale is what this audit detects",
+            "data-dependent",
+            (),
+            details,
+            measured=False,
+        )
+    world, steps = len(ratios), len(judged)
+    levels = _levels([ratios[r][0] for r in range(world)], tolerance)
+    if len(levels) == 1:
+        first = [table[s][0] for s in judged]
+        if per:
+            same = f"per token (the script divides by a count over every rank), in each of {steps} steps"
+        elif all(_same(first[0], w, tolerance) for w in first):
+            same = f"({first[0]:.6g} in each of {steps} steps)"
+        else:
+            same = f"(equal across ranks in {steps} steps)"
+        return AuditOutcome(True, f"every rank's loss enters its backward with the same weight {same}", "equal", (), details)
+    odd = odd_ones_out(levels)
+    if len(odd) == world:  # no majority: every level is named
+        listed = ", ".join(f"{ranks_phrase(g)} {ratios[g[0]][0]:.4g}" for g in sorted(levels, key=min))
+        message = (
+            f"the ranks' losses enter their backward with different weights{per}, in each of {steps} steps: "
+            f"{listed} (relative to the median)"
+        )
+    else:
+        majority, base = levels[0], ratios[levels[0][0]][0]
+        parts = [
+            f"{ranks_phrase(g)}'s loss enters its backward with {ratios[g[0]][0] / base:.4g}x the weight{per} of "
+            f"{ranks_phrase(majority)}'s"
+            for g in levels[1:]
+        ]
+        message = "; ".join(parts) + f", in each of {steps} steps"
+        if len(levels) == 2:
+            message += f": that data trains the model {ratios[levels[1][0]][0] / base:.4g}x as hard"
+    return AuditOutcome(False, message, partition_signature(levels), tuple(odd), details)
+
+
+def _ratios(table: Mapping[int, Sequence[float]], tolerance: float = TOLERANCE) -> tuple[list[list[float]], list[int]]:
+    """Per rank, its value over the step's median in each step; and the ranks whose ratio is not constant.
+
+    >>> _ratios({0: [1.0, 2.0, 1.0], 1: [3.0, 6.0, 3.0]})
+    ([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]], [])
+    """
+    steps = sorted(table)
+    world = len(table[steps[0]])
+    ratios = [[table[s][r] / statistics.median(table[s]) for s in steps] for r in range(world)]
+    return ratios, [r for r in range(world) if not _same(min(ratios[r]), max(ratios[r]), tolerance)]
+
+
+def _levels(values: Sequence[float], tolerance: float) -> list[list[int]]:
+    """Ranks grouped by equal value (within ``tolerance``): largest group first, ties by the lowest rank.
+
+    >>> _levels([1.0, 1.5, 1.0, 1.50001], 1e-4)
+    [[0, 2], [1, 3]]
+    """
+    groups: list[list[int]] = []
+    for rank, value in enumerate(values):
+        for group in groups:
+            if _same(values[group[0]], value, tolerance):
+                group.append(rank)
+                break
+        else:
+            groups.append([rank])
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
+def _same(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def _positive(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
