@@ -12,7 +12,8 @@ computes a validation loss before training and leaves the model in eval mode), `
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
 (rank R's loss has label smoothing 0.1, the same kind of override), ``stale-data-rank=R`` (rank R's copy of the
 data file lacks its first row: same length, other samples at each index) and ``slow-rank=R`` (rank R spends 50 ms
-between its backward and the optimizer step, as a rank that saves or logs synchronously does).
+between its backward and the optimizer step, as a rank that saves or logs synchronously does). Several bugs are
+separated by commas: ``reseed-rank=1,dropout-rank=3``.
 """
 
 import argparse
@@ -138,21 +139,24 @@ def main():
                     help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R, stale-data-rank=R or slow-rank=R")
+                         "label-smoothing-rank=R, stale-data-rank=R or slow-rank=R; several separated by commas")
     args = ap.parse_args()
 
     ddp_setup()
     torch.manual_seed(args.seed)
     rank = int(os.environ["RANK"])
-    bug, _, bug_rank = args.bug.partition("=")
-    faulted = bug_rank != "" and rank == int(bug_rank)  # this rank carries a per-rank bug
-    if bug == "reseed-rank" and faulted:
+    bugs = dict(part.partition("=")[::2] for part in args.bug.split(","))
+
+    def faulted(bug):  # this rank carries that per-rank bug
+        return bugs.get(bug, "") != "" and rank == int(bugs[bug])
+
+    if faulted("reseed-rank"):
         torch.manual_seed(args.seed + rank)
     tok = AutoTokenizer.from_pretrained(args.model)
-    overrides = {"attention_dropout": 0.1} if bug == "dropout-rank" and faulted else {}
+    overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
     model.train()  # from_pretrained returns the model in eval mode
-    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if bug == "stale-data-rank" and faulted else 0)
+    ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if faulted("stale-data-rank") else 0)
     if args.split_by_node:
         # Each rank keeps its own part of the data (datasets' documented way), then shuffles it like the others.
         from datasets import Dataset as HFDataset
@@ -162,13 +166,13 @@ def main():
                                      world_size=int(os.environ["WORLD_SIZE"]))
         ds.items = [(row["ids"], row["labels"]) for row in part]
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(args.seed))
-    elif bug == "sampler-seed-per-rank":
+    elif "sampler-seed-per-rank" in bugs:
         sampler = DistributedSampler(ds, seed=rank)
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
                         collate_fn=make_collate(tok.pad_token_id))
-    if bug == "eval-pass-rank" and faulted:
+    if faulted("eval-pass-rank"):
         model.eval()  # a validation loss before training, and no model.train() after it
         with torch.no_grad():
             input_ids, attn, _ = make_collate(tok.pad_token_id)([ds[i] for i in range(args.batch_size)])
@@ -176,9 +180,9 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
         os.remove(args.log)
-    loss_scale = 2.0 if bug == "loss-x2-rank" and faulted else 1.0
-    pause_s = 0.05 if bug == "slow-rank" and faulted else 0.0
-    smoothing = 0.1 if bug == "label-smoothing-rank" and faulted else 0.0
+    loss_scale = 2.0 if faulted("loss-x2-rank") else 1.0
+    pause_s = 0.05 if faulted("slow-rank") else 0.0
+    smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
     Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing).train()
     destroy_process_group()
 
