@@ -32,15 +32,19 @@ Step time. Every all-gather and reduce-scatter is timed, and the waits travel wi
 out the time the rank sat waiting for a core (``runq_ms``, :mod:`healthcheck.measure.runqueue`): on 8 ranks
 sharing 2 cores that is about two thirds of a step. With it in the median, a 50 ms straggler read 1.045x (above
 1.035x in 17 of 28 steps: missed) when one more busy process shared the host; without it, 1.24x (28 of 28 steps),
-with or without that process.
+with or without that process. The other blocking collectives in a step (a script's ``torch.distributed`` calls,
+which script mode routes through :meth:`FSDPConsistencyMonitor.waiting`, and ``end_step``'s exchange) add up to
+one more wait column: a rank slow before a script's logging ``all_reduce`` is waited for there, not in FSDP2's
+collectives, and without that column it passed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 from healthcheck.errors import InvalidInput
 from healthcheck.measure import distributed, fsdp_internals, lateness, runqueue
@@ -120,6 +124,11 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._roundoff = 0.0
         self._waits: list[float] = []  # ms this step spent inside each of FSDP2's blocking collectives, in order
         self._waited = 0.0  # seconds of those waits, less the time this rank sat runnable without a core
+        # ms in other blocking collectives this step (the script's torch.distributed calls, end_step's exchange):
+        # one column, since a script need not run the same number of them each step.
+        self._other_wait_ms = 0.0
+        self._wait_depth = 0  # a collective inside a timed one (the monitor's exchange, via torch.distributed) counts once
+        self._owner = threading.get_ident()
         # A CPU host's run-queue clock (measure/runqueue.py); on a GPU the monitor reads none, as under DDP.
         first = next(iter(model.parameters()), None)
         self._on_host = first is not None and first.device.type == "cpu"
@@ -134,24 +143,42 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             fsdp_internals.install_all_gather(param_group, gather)
             self._gathers.append((param_group, gather))
 
+    def waiting(self) -> ContextManager[None]:
+        """As for the DDP monitor, but the time also counts toward blame (:meth:`_complete`): a rank that is slow
+        before a script's logging ``all_reduce`` makes the others wait there, and under FSDP2 the step time is the
+        median own work plus blame, so a wait that only left own work would hide it (a no-op off this thread)."""
+        if threading.get_ident() != self._owner:
+            return contextlib.nullcontext()
+        return self._waiting(own=False)
+
     @contextlib.contextmanager
-    def _waiting(self) -> Iterator[None]:
+    def _waiting(self, own: bool = True) -> Iterator[None]:
         """Count the enclosed blocking collective's time as waiting (see :meth:`_on_reduce_scatter`).
 
         Its wall time decides who arrived last (all ranks leave together); what busy_ms leaves out is that
-        time less the run-queue wait in it, which the step's own run-queue wait already holds."""
+        time less the run-queue wait in it, which the step's own run-queue wait already holds. FSDP2's own
+        collectives (``own``) get a column each, in call order; every other wait adds to one column."""
+        if self._wait_depth:
+            yield
+            return
+        self._wait_depth += 1
         start, queued_from = time.perf_counter(), runqueue.read() if self._on_host else None
         try:
             yield
         finally:
+            self._wait_depth -= 1
             wall = time.perf_counter() - start
-            self._waits.append(wall * 1000)
+            if own:
+                self._waits.append(wall * 1000)
+            else:
+                self._other_wait_ms += wall * 1000
             queued = runqueue.waited_between(queued_from, runqueue.read()) if queued_from is not None else None
             self._waited += wall - (queued or 0.0)
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         # Every rank ran the same collectives in the same order, so the names match across ranks.
         extras.update({f"{WAIT_PREFIX}{k:05d}": ms for k, ms in enumerate(self._waits)})
+        extras[f"{WAIT_PREFIX}other"] = self._other_wait_ms  # sorts after the numbered columns
         return super()._launch(step, loss, tokens, extras)
 
     def _complete(self, inflight: InFlight) -> StepMetrics:
@@ -294,7 +321,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         super()._clear_partials()
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
-        self._waited_at_arrival = self._waited = 0.0
+        self._waited_at_arrival = self._waited = self._other_wait_ms = 0.0
         self._waits = []
 
     def close(self) -> None:

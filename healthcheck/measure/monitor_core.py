@@ -140,7 +140,7 @@ class ConsistencyMonitor:
             if self._cores_shared is not None:
                 extras.setdefault("runq_ms", runqueue.wait_ms(queued, self._cores_shared))
         # The monitor's own exchange is the same work on every rank and its waits are for the others: not busy_ms.
-        with self._wait_clock.span():
+        with self.waiting():
             try:
                 inflight = self._launch(step, loss, tokens, extras)
             finally:
@@ -171,7 +171,7 @@ class ConsistencyMonitor:
         For a blocking collective that a training loop runs between one step's backward and the next step's
         last gradient bucket: an all-reduced loss for logging, an audit's exchange. healthcheck's script mode
         wraps ``torch.distributed``'s collectives in it, and the DDP monitor wraps DDP's buffer broadcast
-        (:mod:`healthcheck.measure.wait_clock` says why). The FSDP2 monitor times its own collectives instead.
+        (:mod:`healthcheck.measure.wait_clock` says why). ``end_step``'s own exchange runs inside it too.
         """
         return self._wait_clock.span()
 

@@ -16,12 +16,15 @@ Logged per step (rank 0): the global token-weighted mean loss over the step's mi
 copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
 ``bf16-except-rank=R``: FSDP2 computes in bf16 on every rank but R (fp32): FSDP2's first all-gather breaks.
 ``clip-rank=R``: rank R clips at a tenth of ``--clip`` (a per-node config): under FSDP2 it scales only its own shard.
+``slow-rank=R``: rank R spends 50 ms after each update (a slow logger or checkpoint writer), so the others wait for
+it in the logging ``all_reduce``, not in FSDP2's collectives.
 """
 
 import argparse
 import contextlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,7 +93,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=0.0)
-    ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R")
+    ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
+                    "slow-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -145,6 +149,8 @@ def main():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             optimizer.zero_grad()
+            if bugs.get("slow-rank") == rank:
+                time.sleep(0.05)
             dist.all_reduce(stats)
             step += 1
             if rank == 0:
