@@ -40,14 +40,12 @@ collectives, and without that column it passed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 import time
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed, fsdp_internals, lateness, runqueue
+from healthcheck.measure import distributed, fsdp_internals, lateness
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
@@ -122,13 +120,12 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._slices: dict[int, Any] = {}  # exact + every micro-batch: every rank's slices of this shard
         self._reduction: dict[int, Any] = {}  # check steps: ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖² per group
         self._roundoff = 0.0
-        self._waits: list[float] = []  # ms this step spent inside each of FSDP2's blocking collectives, in order
-        self._waited = 0.0  # seconds of those waits, less the time this rank sat runnable without a core
+        # The wait clock (measure/wait_clock.py) leaves every wait out of own work, as under DDP; blame needs each
+        # wait's wall time too. ms this step spent inside each of FSDP2's blocking collectives, in order:
+        self._waits: list[float] = []
         # ms in other blocking collectives this step (the script's torch.distributed calls, end_step's exchange):
         # one column, since a script need not run the same number of them each step.
         self._other_wait_ms = 0.0
-        self._wait_depth = 0  # a collective inside a timed one (the monitor's exchange, via torch.distributed) counts once
-        self._owner = threading.get_ident()
         # A CPU host's run-queue clock (measure/runqueue.py); on a GPU the monitor reads none, as under DDP.
         first = next(iter(model.parameters()), None)
         self._on_host = first is not None and first.device.type == "cpu"
@@ -146,34 +143,20 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
     def waiting(self) -> ContextManager[None]:
         """As for the DDP monitor, but the time also counts toward blame (:meth:`_complete`): a rank that is slow
         before a script's logging ``all_reduce`` makes the others wait there, and under FSDP2 the step time is the
-        median own work plus blame, so a wait that only left own work would hide it (a no-op off this thread)."""
-        if threading.get_ident() != self._owner:
-            return contextlib.nullcontext()
-        return self._waiting(own=False)
+        median own work plus blame, so a wait that only left own work would hide it."""
+        return self._wait_clock.span(on_wall=self._add_other_wait)
 
-    @contextlib.contextmanager
-    def _waiting(self, own: bool = True) -> Iterator[None]:
-        """Count the enclosed blocking collective's time as waiting (see :meth:`_on_reduce_scatter`).
+    def _waiting(self) -> ContextManager[None]:
+        """Count the enclosed FSDP2 collective as waiting (see :meth:`_on_reduce_scatter`), on whichever thread
+        runs it: its wall time gets a column of its own, in call order, and decides who arrived last (all ranks
+        leave together); own work leaves it out less its run-queue time, which the step's own already holds."""
+        return self._wait_clock.span(on_wall=self._add_wait, any_thread=True)
 
-        Its wall time decides who arrived last (all ranks leave together); what busy_ms leaves out is that
-        time less the run-queue wait in it, which the step's own run-queue wait already holds. FSDP2's own
-        collectives (``own``) get a column each, in call order; every other wait adds to one column."""
-        if self._wait_depth:
-            yield
-            return
-        self._wait_depth += 1
-        start, queued_from = time.perf_counter(), runqueue.read() if self._on_host else None
-        try:
-            yield
-        finally:
-            self._wait_depth -= 1
-            wall = time.perf_counter() - start
-            if own:
-                self._waits.append(wall * 1000)
-            else:
-                self._other_wait_ms += wall * 1000
-            queued = runqueue.waited_between(queued_from, runqueue.read()) if queued_from is not None else None
-            self._waited += wall - (queued or 0.0)
+    def _add_wait(self, seconds: float) -> None:
+        self._waits.append(seconds * 1000)
+
+    def _add_other_wait(self, seconds: float) -> None:
+        self._other_wait_ms += seconds * 1000
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         # Every rank ran the same collectives in the same order, so the names match across ranks.
@@ -210,7 +193,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         # a straggler's delay is spent waiting by the *others*, inside the step. Without these waits busy_ms would
         # be the same on every rank. What is left is only the ranks' typical own work: :meth:`_complete` adds who
         # was waited for.
-        self._waited_at_arrival = self._waited
+        self._waited_at_arrival = self._wait_clock.total
         if self._on_host:
             self._read_host_clock()
         index, world = comm.index, self._world
@@ -321,7 +304,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         super()._clear_partials()
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
-        self._waited_at_arrival = self._waited = self._other_wait_ms = 0.0
+        self._waited_at_arrival = self._other_wait_ms = 0.0
         self._waits = []
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ alone wait for it in the next forward (1.59x, slower in 28/28 steps).
 A :class:`WaitClock` adds up such spans; the monitor subtracts the total. A span's run-queue time (the thread
 runnable but without a core, :mod:`healthcheck.measure.runqueue`) is not added: the monitor subtracts that for
 the whole step already. Nested spans (a collective inside ``end_step``) count once, and only spans on the
-thread that made the clock count: a collective another thread runs does not hold up this rank's step.
+thread that made the clock count: a collective another thread runs does not hold up this rank's step. The FSDP2
+monitor uses the same clock; its own collectives count on any thread, and it reads each span's wall time for blame.
 """
 
 from __future__ import annotations
@@ -48,21 +49,30 @@ class WaitClock:
         self._queued: Optional[tuple[int, float]] = None
 
     @contextlib.contextmanager
-    def span(self) -> Iterator[None]:
-        """Count the enclosed time as waiting (on the clock's own thread; elsewhere it is not this step's)."""
-        if threading.get_ident() != self._owner:
+    def span(self, on_wall: Optional[Callable[[float], None]] = None, any_thread: bool = False) -> Iterator[None]:
+        """Count the enclosed time as waiting (on the clock's own thread; elsewhere it is not this step's).
+
+        ``on_wall`` receives an outermost span's wall seconds, run-queue time included (the FSDP2 monitor's
+        blame: who arrived last); ``any_thread`` counts a span on any thread (FSDP2's collectives, which the
+        autograd engine's thread may run)."""
+        if not any_thread and threading.get_ident() != self._owner:
             yield
             return
-        if self._depth == 0:
+        outermost = self._depth == 0
+        if outermost:
             self._started, self._queued = perf_counter(), runqueue.read()
+        began = self._started
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0:
+            if outermost:
                 queued = runqueue.waited_between(self._queued, runqueue.read()) or 0.0
-                self.total += max(0.0, perf_counter() - self._started - queued)
+                now = perf_counter()
+                self.total += max(0.0, now - self._started - queued)
+                if on_wall is not None:
+                    on_wall(now - began)
 
     def reset(self) -> None:
         """Start a new step's count (a span still open counts from now on)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from healthcheck.measure import runqueue, wait_clock
 from healthcheck.measure.wait_clock import WaitClock
 
@@ -75,3 +77,25 @@ def test_without_a_run_queue_clock_the_whole_span_counts(monkeypatch):
     with clock.span():
         clocks.now += 0.025
     assert abs(clock.total - 0.025) < 1e-12
+
+
+def test_on_wall_gets_each_outermost_spans_wall_time_and_any_thread_counts_elsewhere(monkeypatch):
+    # The FSDP2 monitor's blame: a collective's wall time, its run-queue wait included, once per outermost span;
+    # its own collectives may run on the autograd engine's thread and still count.
+    clocks = _FakeClocks(monkeypatch)
+    clock, walls = WaitClock(), []
+    with clock.span(on_wall=walls.append):
+        clocks.now += 0.010
+        with clock.span(on_wall=walls.append):  # nested: neither counted nor reported again
+            clocks.now += 0.020
+        clocks.queued += 0.005
+    assert walls == [pytest.approx(0.030)] and abs(clock.total - 0.025) < 1e-12
+
+    def elsewhere() -> None:
+        with clock.span(on_wall=walls.append, any_thread=True):
+            clocks.now += 0.040
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert walls[1:] == [pytest.approx(0.040)] and abs(clock.total - 0.065) < 1e-12
