@@ -9,18 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from healthcheck import record_loss
-from healthcheck.integrations.loss_capture import LossCapture
+from healthcheck.integrations.loss_capture import LossCapture, StepLoss
 from tests.unit.integrations.test_loss_capture import Tiny, batch
 
 
-def _step(model: Tiny, batches, backward, **forward) -> float:
+def _take(model: Tiny, batches, backward, **forward) -> StepLoss:
     """One step through ``model``; ``backward(outputs, labels)`` returns the root the script backpropagates."""
     with LossCapture() as capture:
         capture.watch(model)
         for x, labels in batches:
             out = model(x, labels=labels, **forward)
             backward(out, labels).backward()
-        return capture.take().weight
+        return capture.take()
+
+
+def _step(model: Tiny, batches, backward, **forward) -> float:
+    return _take(model, batches, backward, **forward).weight
 
 
 def _mean_ce(out, labels):
@@ -75,26 +79,19 @@ def test_trl_log_probs_and_record_loss_weigh_what_the_script_backpropagates():
 
 
 def test_a_loss_that_never_reaches_a_backward_has_no_weight():
-    model = Tiny()
-    x, labels = batch(8)
-    with LossCapture() as capture:
-        capture.watch(model)
-        out = model(x, labels=labels)
+    def something_else(out, labels):
         _mean_ce(out, labels)  # computed, then the script backpropagates something else
-        out.pow(2).mean().backward()
-        got = capture.take()
+        return out.pow(2).mean()
+
+    got = _take(Tiny(), [batch(8)], something_else)
     assert got.loss is not None and math.isnan(got.weight)
 
 
 def test_a_loss_recomputed_for_logging_does_not_hide_the_one_that_trains():
-    model = Tiny()
-    x, labels = batch(9)
-    with LossCapture() as capture:
-        capture.watch(model)
-        out = model(x, labels=labels)
+    def logged_then_trained(out, labels):
         with torch.no_grad():
             _mean_ce(out, labels)  # logging: no graph, never captured
         _mean_ce(out.detach(), labels)  # the same value again, outside the backward
-        (2 * _mean_ce(out, labels)).backward()
-        got = capture.take()
-    assert got.weight == pytest.approx(2.0, rel=1e-6)
+        return 2 * _mean_ce(out, labels)
+
+    assert _step(Tiny(), [batch(9)], logged_then_trained) == pytest.approx(2.0, rel=1e-6)
