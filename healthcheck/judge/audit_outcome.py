@@ -8,7 +8,7 @@ the ideal expectation, or when the baseline approved exactly that signature (``B
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from healthcheck.ranks import rank_span, ranks_phrase
 
@@ -61,16 +61,29 @@ def not_measured(why: str) -> AuditOutcome:
 # --------------------------------------------------------------------------- rank grouping
 
 
-def group_ranks(values: Sequence[Hashable]) -> list[list[int]]:
-    """Ranks grouped by equal value: largest group first, ties broken by the lowest rank.
+def group_ranks(values: Sequence[Any], same: Optional[Callable[[Any, Any], bool]] = None) -> list[list[int]]:
+    """Ranks grouped by equal value: largest group first, ties broken by the lowest rank. ``same(a, b)``
+    replaces equality (a tolerance); a rank then joins the first group whose first rank's value it matches.
 
     >>> group_ranks(["a", "b", "b", "a", "b"])
     [[1, 2, 4], [0, 3]]
+    >>> group_ranks([1.0, 1.5, 1.0, 1.50001], same=lambda a, b: abs(a - b) <= 1e-4 * max(a, b))
+    [[0, 2], [1, 3]]
     """
-    groups: dict[Hashable, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+    groups: list[list[int]] = []
+    if same is None:
+        by_value: dict[Hashable, list[int]] = {}
+        for rank, value in enumerate(values):
+            by_value.setdefault(value, []).append(rank)
+        groups = list(by_value.values())
+    else:
+        for rank, value in enumerate(values):
+            match = next((g for g in groups if same(values[g[0]], value)), None)
+            if match is None:
+                groups.append([rank])
+            else:
+                match.append(rank)
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
 
 
 def partition_signature(groups: Sequence[Sequence[int]]) -> str:

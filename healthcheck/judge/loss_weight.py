@@ -22,7 +22,14 @@ import math
 import statistics
 from typing import Mapping, Optional, Sequence
 
-from healthcheck.judge.audit_outcome import AuditOutcome, not_measured, odd_ones_out, partition_signature, ranks_phrase
+from healthcheck.judge.audit_outcome import (
+    AuditOutcome,
+    group_ranks,
+    not_measured,
+    odd_ones_out,
+    partition_signature,
+    ranks_phrase,
+)
 
 #: Relative difference within which two weights (or a rank's ratio in two steps) are the same: float32
 #: rounding of the loss and its gradient is ~1e-7, and a scale that matters is far above 1e-4.
@@ -82,7 +89,7 @@ def loss_weight_audit(
             measured=False,
         )
     world, steps = len(ratios), len(judged)
-    levels = _levels([ratios[r][0] for r in range(world)], tolerance)
+    levels = group_ranks([ratios[r][0] for r in range(world)], same=lambda a, b: _same(a, b, tolerance))
     if len(levels) == 1:
         first = [table[s][0] for s in judged]
         if per:
@@ -122,23 +129,6 @@ def _ratios(table: Mapping[int, Sequence[float]], tolerance: float = TOLERANCE) 
     world = len(table[steps[0]])
     ratios = [[table[s][r] / statistics.median(table[s]) for s in steps] for r in range(world)]
     return ratios, [r for r in range(world) if not _same(min(ratios[r]), max(ratios[r]), tolerance)]
-
-
-def _levels(values: Sequence[float], tolerance: float) -> list[list[int]]:
-    """Ranks grouped by equal value (within ``tolerance``): largest group first, ties by the lowest rank.
-
-    >>> _levels([1.0, 1.5, 1.0, 1.50001], 1e-4)
-    [[0, 2], [1, 3]]
-    """
-    groups: list[list[int]] = []
-    for rank, value in enumerate(values):
-        for group in groups:
-            if _same(values[group[0]], value, tolerance):
-                group.append(rank)
-                break
-        else:
-            groups.append([rank])
-    return sorted(groups, key=lambda g: (-len(g), g[0]))
 
 
 def _same(a: float, b: float, tolerance: float) -> bool:
