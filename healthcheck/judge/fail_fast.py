@@ -66,3 +66,9 @@ class FailFast:
                 step=step, check="nonfinite", message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}"
             )
         return self.stop is not None
+
+    def cannot_continue(self, step: int, check: str, outcome: AuditOutcome) -> None:
+        """A failure the ranks cannot train past (their collectives would no longer match) stops the run at
+        ``step``, fail fast or not, and whatever the baseline approves."""
+        if self.stop is None:
+            self.stop = EarlyStop(step=step, check=check, message=outcome.message)

@@ -37,7 +37,8 @@ from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
-from healthcheck.integrations.script.shard_agreement import check_agreement
+from healthcheck.integrations.script.shard_agreement import sharding_facts
+from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
@@ -73,13 +74,9 @@ class ScriptSession:
         self.loaders = observe.LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
-        self._fsdp_root: Any = None  #: the outermost module sharded so far (the root, once training starts)
-        self._fsdp_handles: list[Any] = []
+        self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_before_sharding)
         self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
-        self._sharded: list[Any] = []  #: every module passed to fully_shard
-        self._sharding_agreed = False  #: the ranks' sharding facts were compared (the root's first forward)
-        self._pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.audit: Optional[AuditRecorder] = None
         self.steps_done = 0
         self.complete = False
@@ -132,7 +129,7 @@ class ScriptSession:
     # ------------------------------------------------------------------ callbacks from the patches
 
     def on_ddp(self, ddp: Any) -> None:
-        if self.model is not None or self._fsdp_root is not None:
+        if self.model is not None or self.fsdp.root is not None:
             raise InvalidInput("the script builds a second data-parallel model; a probe measures one trained model")
         self._registering = True
         try:
@@ -162,63 +159,49 @@ class ScriptSession:
         )
 
     def before_fully_shard(self, module: Any) -> None:
-        """Hash the weights ``fully_shard`` is about to slice (the children's are sliced already)."""
-        from healthcheck.measure.sharded_state import unsharded_weight_hashes
-
-        self._pre_shard.extend(unsharded_weight_hashes(module))
+        self.fsdp.before(module)
 
     def on_fully_shard(self, module: Any) -> None:
-        """``fully_shard(module)`` ran: the module sharded last, unless it sits inside the current root.
-
-        Scripts shard bottom-up (blocks, then the root), as FSDP2 requires, so the last module sharded is
-        the root; at its first training forward every sharded module must lie inside it. Until then each
-        new candidate takes over the loss capture and the start hook from the previous one.
-        """
         if self.model is not None:
-            if self._fsdp_root is None:
+            if self.fsdp.root is None:
                 raise InvalidInput("the script shards a module with fully_shard after wrapping a model in DDP; a probe measures one")
             raise InvalidInput("the script calls fully_shard after training started; a probe measures one sharded model")
-        self._sharded.append(module)
-        if self._fsdp_root is not None and any(m is module for m in self._fsdp_root.modules()):
-            return  # a block sharded after its parent: the root stays
-        for handle in self._fsdp_handles:
-            handle.remove()
-        self._fsdp_root = module
-        self._fsdp_handles = [
-            *self.capture.watch(module),
-            module.register_forward_pre_hook(eager(self._first_sharded_forward)),
-            # Before FSDP2's own pre-forward hook (prepended at fully_shard), whose all-gather a disagreement breaks.
-            module.register_forward_pre_hook(eager(self._before_first_all_gather), prepend=True),
-        ]
+        self.fsdp.add(module)
 
-    def _before_first_all_gather(self, module: Any, args: Any) -> None:
-        if self.model is None and not self._sharding_agreed:
-            self._sharding_agreed = True
-            check_agreement(module)
-
-    def _first_sharded_forward(self, module: Any, args: Any) -> None:
-        import torch
-
-        if self.model is not None or not torch.is_grad_enabled():
-            return
-        inside = {id(m) for m in module.modules()}
-        if outside := [m for m in self._sharded if id(m) not in inside]:
-            raise InvalidInput(
-                f"the script shards modules outside the model it trains ({type(outside[0]).__name__} is not inside "
-                f"{type(module).__name__}); a probe measures one trained model"
-            )
+    def _start_sharded(self, module: Any, args: Any) -> None:
+        """The FSDP2 root's first training forward: FSDP2's own pre-forward hook (prepended) has run its lazy
+        init, so every parameter group exists."""
         if self.config.faults.grad_noise_std > 0:
             raise InvalidInput(
                 "faults.grad_noise_std cannot be injected into an FSDP2 model (parameter hooks never see its local gradient)"
             )
-        # FSDP2's own pre-forward hook (prepended) has run its lazy init: every parameter group exists.
         self.monitor = self._new_monitor(module)
         self.model = module
         self._param_ids = {id(p) for p in module.parameters()}
         self.audit = AuditRecorder(
-            module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self._pre_shard
+            module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self.fsdp.pre_shard
         )
         self._first_training_forward(module, args)
+
+    def _stop_before_sharding(self, module: Any, outcome: Any) -> None:
+        """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
+        FSDP2's first all-gather, with what it knows there as the evidence (the environment audit fails on the
+        sharding facts; seeds and shards are judged on the first forward's RNG and the fetched batches)."""
+        facts = observe.first_forward_facts(module)
+        self.model = module
+        self.audit = AuditRecorder(
+            module,
+            param_check_every=self.config.metrics.param_check_every,
+            extra={"model_dtype": facts["model_dtype"], **facts["module"], **sharding_facts(module)},
+        )
+        self.audit.rng["rng_start"] = facts["rng"]
+        loader = self.loaders.training_loader()
+        info, _ = observe.rank_info(facts, loader.plan if loader else None)
+        self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
+        self._first_step_at, self._train_started = time.time(), time.perf_counter()
+        self.fail_fast.cannot_continue(0, "environment", outcome)
+        self._finish()
+        raise ProbeComplete()
 
     def waiting(self) -> ContextManager[None]:
         """Around a collective the script (or an audit) runs: its time is waiting on the others, not busy_ms."""
@@ -392,8 +375,9 @@ class ScriptSession:
         import torch.distributed as dist
 
         assert self.audit is not None
-        self._record(self.monitor.flush())  # the last step's gather, still in flight
-        self.monitor.close()
+        if self.monitor is not None:  # none when the ranks stopped before sharding
+            self._record(self.monitor.flush())  # the last step's gather, still in flight
+            self.monitor.close()
         loader = self.loaders.training_loader()
         self.audit.consumed = list(loader.batches) if loader else []
         self.audit.sampler, self.audit.dataset_digest = (loader.plan, loader.dataset_digest) if loader else (None, None)

@@ -10,7 +10,8 @@ environment audit compares the same settings, but only at the first optimizer st
 reaches.
 
 So the root's first forward first exchanges these facts (one small gather, before FSDP's own pre-forward
-hook) and stops every rank at once, naming the rank that differs, when they disagree.
+hook). When they disagree no rank can train past that all-gather, so every rank stops there, fail fast or not,
+with the environment audit's finding naming the rank that differs (exit 1), instead of a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.exact_audits import environment_audit
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.fsdp_internals import group_settings
@@ -26,16 +28,12 @@ from healthcheck.measure.fsdp_internals import group_settings
 COLLECTIVE_SETTINGS = ("fsdp.param_dtype", "fsdp.reduce_dtype", "fsdp.reshard_after_forward")
 
 
-class ShardingDiffers(RuntimeError):
-    """The ranks would all-gather different buffers: the script cannot train consistently (exit 3)."""
-
-
 def sharding_facts(root: Any) -> dict[str, str]:
     """What the sizes and the number of FSDP2's collectives depend on: the dtypes it all-gathers and
     reduce-scatters in, whether it re-gathers in the backward, and a digest of the parameters' names, global
     shapes and dtypes (a DTensor's shape is the unsharded one). Settings that leave the collectives alike
-    (``output_dtype``, offloading) are left to the environment audit at the first step, whose failure is a
-    verdict (exit 1) rather than a stop.
+    (``output_dtype``, offloading) are left to the environment audit at the first step: a run can train
+    past those.
 
     >>> import torch
     >>> sharding_facts(torch.nn.Linear(2, 3))["fsdp.parameters"]
@@ -57,12 +55,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def check_agreement(root: Any) -> None:
-    """Collective: gather every rank's :func:`sharding_facts`; raise :class:`ShardingDiffers` on every rank
-    alike when they differ."""
-    outcome = environment_audit(hdist.all_gather_objects(sharding_facts(root)))
-    if not outcome.passed:
-        raise ShardingDiffers(
-            f"the ranks shard the model differently, so FSDP2's first all-gather would fail or mix their buffers: "
-            f"{outcome.message}"
-        )
+def check_agreement(root: Any) -> AuditOutcome:
+    """Collective: gather every rank's :func:`sharding_facts` and compare them (the same outcome on every rank)."""
+    return environment_audit(hdist.all_gather_objects(sharding_facts(root)))

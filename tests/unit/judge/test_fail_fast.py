@@ -47,6 +47,16 @@ def test_disabled_fail_fast_still_stops_on_a_non_finite_value():
     assert FailFast().policy.enabled is False  # no policy: the Python API runs every step
 
 
+def test_a_failure_the_ranks_cannot_train_past_stops_them_without_fail_fast_and_despite_approval():
+    outcome = AuditOutcome(False, "fsdp.param_dtype differs: ranks 0-1 bf16; rank 2 fp32", "env 0-1|2", (2,))
+    for policy in (FailFastPolicy(enabled=False), FailFastPolicy(approved={"environment": "env 0-1|2"})):
+        gate = FailFast(policy)
+        assert not gate.judge(0, {"environment": outcome})
+        gate.cannot_continue(0, "environment", outcome)
+        assert gate.stop.headline() == "stopped early at step 0: environment"
+        assert gate.stop.message == outcome.message
+
+
 SHARDS_FAILED = {"data_shards": {"passed": False, "message": "ranks 0-7 read the same samples", "ranks": [0, 1],
                                  "signature": "identical"}}
 

@@ -1,0 +1,70 @@
+"""Which module an FSDP2 script trains, and what happens at its first forward (no process group: the ranks'
+comparison is replaced by a fixed outcome)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from healthcheck.errors import InvalidInput
+from healthcheck.integrations.script import sharded_root
+from healthcheck.integrations.script.sharded_root import ShardedRoot
+from healthcheck.judge.audit_outcome import AuditOutcome
+
+AGREE = AuditOutcome(True, "the same", "", ())
+DIFFER = AuditOutcome(False, "fsdp.param_dtype differs: ranks 0-1 bfloat16; rank 2 float32", "x", (2,))
+
+
+class Calls:
+    def __init__(self, monkeypatch, outcome):
+        self.watched, self.training, self.disagreed, self.compared = [], [], [], 0
+        monkeypatch.setattr(sharded_root, "check_agreement", self._compare)
+        self.outcome = outcome
+        self.root = ShardedRoot(self._watch, lambda module, args: self.training.append(module),
+                                lambda module, outcome: self.disagreed.append((module, outcome)))
+
+    def _watch(self, module):
+        self.watched.append(module)
+        return []
+
+    def _compare(self, module):
+        self.compared += 1
+        return self.outcome
+
+
+def _model() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+
+def test_the_module_sharded_last_is_the_root_and_a_block_sharded_after_it_does_not_take_over(monkeypatch):
+    calls, model = Calls(monkeypatch, AGREE), _model()
+    calls.root.add(model[0])
+    calls.root.add(model[1])
+    calls.root.add(model)
+    calls.root.add(model[0])  # a block sharded after its parent
+    assert calls.root.root is model and calls.watched == [model[0], model[1], model]
+    model[0](torch.ones(1, 2))  # a former candidate's hooks are gone
+    assert calls.training == [] and calls.compared == 0
+    with torch.no_grad():  # an evaluation forward compares the ranks, but does not start training
+        model(torch.ones(1, 2))
+    assert calls.training == [] and calls.compared == 1
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    assert calls.training == [model] and calls.compared == 1 and calls.disagreed == []
+
+
+def test_ranks_that_shard_differently_end_the_run_before_training_starts(monkeypatch):
+    calls, model = Calls(monkeypatch, DIFFER), _model()
+    calls.root.add(model)
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    assert calls.disagreed == [(model, DIFFER)] and calls.training == [] and calls.compared == 1
+
+
+def test_a_sharded_module_outside_the_trained_root_is_bad_input(monkeypatch):
+    calls, model, other = Calls(monkeypatch, AGREE), _model(), torch.nn.Linear(2, 2)
+    calls.root.add(other)
+    calls.root.add(model)
+    with pytest.raises(InvalidInput, match="Linear is not inside Sequential"):
+        model(torch.ones(1, 2))
+    assert calls.training == []
