@@ -276,6 +276,11 @@ class RankEvidence(Record):
     dataset_digest: Optional[str] = Field(
         None, description="--script: length and a content hash of a few samples of the training loader's dataset."
     )
+    batch_facts: dict[str, str] = Field(
+        default_factory=dict,
+        description="--script: what the training loader's collate_fn makes of the dataset's first, middle and last "
+        "samples, per field of the batch (dtype, shape, hash); empty where it could not be made reproducibly.",
+    )
 
 
 class ShardedEvidence(Record):

@@ -7,6 +7,7 @@ the outcome in ``result.json``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,6 +19,7 @@ from healthcheck.artifacts import (
     RankEvidence,
     RankInfo,
     ReplayEvidence,
+    SamplerPlan,
     ShardedEvidence,
     WorkerReport,
 )
@@ -35,7 +37,7 @@ from healthcheck.judge.exact_audits import (
 from healthcheck.judge.loss_weight import loss_weight_audit
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
-from healthcheck.judge.shard_audit import data_shard_audit
+from healthcheck.judge.shard_audit import batch_audit, data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.judge.spikes import SPIKE_METRICS, spike_audit
 from healthcheck.measure.evidence import planned_shards
@@ -213,7 +215,9 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     sampler splits another dataset (its length and a few samples' hash, ``dataset_digest``). Shards from
     something else (accelerate's batch shards, a per-rank split of the data) are judged for identity and overlap
     only, and only between ranks whose datasets are the same: an index names the same sample only there. There,
-    a minority of ranks off the dataset a strict majority reads is named; a per-rank split has no majority.
+    a minority of ranks off the dataset a strict majority reads is named; a per-rank split has no majority. On
+    one dataset, a rank whose DataLoader makes another batch of the same samples (``batch_facts``: its collate
+    tokenizes, pads, truncates or masks otherwise) is named before the shards are.
     """
     consumed = [rank_evidence.consumed for rank_evidence in per_rank]
     if not any(consumed):
@@ -230,6 +234,19 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
         phrase = "; ".join(f"{ranks_phrase(g)} {digests[g[0]]}" for g in datasets)
         named = tuple(odd_ones_out(datasets))
         return AuditOutcome(False, f"the ranks read different datasets: {phrase}", f"datasets {partition_signature(datasets)}", named)
+    # On one dataset, the batch each rank's collate_fn makes of the same samples (its tokenizing, padding, masking).
+    compared = len(datasets) == 1 and all(rank_evidence.batch_facts for rank_evidence in per_rank)
+    if compared and (batches := batch_audit([rank_evidence.batch_facts for rank_evidence in per_rank])) is not None:
+        return batches
+    outcome = _shards_read(consumed, plans, datasets)
+    if compared and outcome.passed and outcome.measured:
+        same = "every rank's DataLoader makes the same batch of the dataset's first, middle and last samples"
+        outcome = dataclasses.replace(outcome, message=f"{outcome.message}; {same}")
+    return outcome
+
+
+def _shards_read(consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]], datasets: Sequence[Sequence[int]]) -> AuditOutcome:
+    """Which samples the ranks read, against the shared sampler's plan where there is one."""
     if any(plan is None for plan in plans):
         if all(len(group) == 1 for group in datasets) and len(datasets) > 1:
             return not_measured(

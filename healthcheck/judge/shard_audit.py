@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Mapping, Optional, Sequence
 
-from healthcheck.judge.audit_outcome import AuditOutcome, rank_span, ranks_phrase
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, rank_span, ranks_phrase
 
 
 def flatten_epochs(batches: Sequence[tuple[int, Sequence[int]]]) -> dict[int, list[int]]:
@@ -157,6 +157,38 @@ def data_shard_audit(
         "disjoint",
         (),
         details,
+    )
+
+
+def batch_audit(per_rank: Sequence[Mapping[str, str]]) -> Optional[AuditOutcome]:
+    """Do the ranks' DataLoaders make the same batch of the same samples? None where some rank could not tell
+    (no facts), or when they agree. Each mapping is a rank's field -> ``dtype[shape] hash`` of the batch its
+    ``collate_fn`` makes of the dataset's first, middle and last samples (``observe.batch_facts``).
+
+    >>> same = {"input_ids": "int64[3,9] 1a2b3c4d", "labels": "int64[3,9] 5e6f7a8b"}
+    >>> short = {"input_ids": "int64[3,8] 0badc0de", "labels": "int64[3,8] 0ddba11a"}
+    >>> outcome = batch_audit([same, same, short, same])
+    >>> outcome.ranks, outcome.message.split(": ", 1)[1].split("; labels")[0]
+    ((2,), 'input_ids differs: ranks 0-1, 3 int64[3,9] 1a2b3c4d; rank 2 int64[3,8] 0badc0de')
+    >>> batch_audit([same, same, {}, short]) is None  # rank 2 could not make its batch twice alike
+    True
+    """
+    if len(per_rank) < 2 or not all(per_rank):
+        return None
+    whole = group_ranks([tuple(sorted(facts.items())) for facts in per_rank])
+    if len(whole) == 1:
+        return None
+    parts = []
+    for field in dict.fromkeys(name for facts in per_rank for name in facts):
+        values = [facts.get(field, "absent") for facts in per_rank]
+        groups = group_ranks(values)
+        if len(groups) > 1:
+            parts.append(f"{field} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups))
+    return AuditOutcome(
+        False,
+        "the ranks' DataLoaders make different batches of the same samples: " + "; ".join(parts),
+        f"batches {partition_signature(whole)}",
+        tuple(odd_ones_out(whole)),
     )
 
 

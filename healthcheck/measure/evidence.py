@@ -60,6 +60,7 @@ class AuditRecorder:
         self.sampler: Optional[SamplerPlan] = None
         self.shard_source = "sampler"
         self.dataset_digest: Optional[str] = None
+        self.batch_facts: dict[str, str] = {}
         self.loss_problem: Optional[str] = None
         #: The replay audit's evidence (:mod:`healthcheck.run.replay_rounds` fills it; the same on every rank).
         self.replay: Optional[ReplayEvidence] = None
@@ -109,6 +110,7 @@ class AuditRecorder:
             shard_source=self.shard_source,
             loss_problem=self.loss_problem,
             dataset_digest=self.dataset_digest,
+            batch_facts=self.batch_facts,
         )
         everyone = hdist.all_gather_objects(local_evidence.model_dump())
         if hdist.rank() != 0:

@@ -11,9 +11,10 @@ after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2),
 computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
 (rank R's loss has label smoothing 0.1, the same kind of override), ``stale-data-rank=R`` (rank R's copy of the
-data file lacks its first row: same length, other samples at each index) and ``slow-rank=R`` (rank R spends 50 ms
-between its backward and the optimizer step, as a rank that saves or logs synchronously does). Several bugs are
-separated by commas: ``reseed-rank=1,dropout-rank=3``.
+data file lacks its first row: same length, other samples at each index), ``no-eos-rank=R`` (rank R's collate
+drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would) and ``slow-rank=R``
+(rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
+Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 """
 
 import argparse
@@ -61,8 +62,10 @@ class AlpacaDataset(Dataset):
         return self.items[i]
 
 
-def make_collate(pad_id):
+def make_collate(pad_id, drop_eos=False):
     def collate(batch):
+        if drop_eos:
+            batch = [(ids[:-1], lab[:-1]) for ids, lab in batch]
         n = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
         labels = torch.full((len(batch), n), -100, dtype=torch.long)
@@ -139,7 +142,7 @@ def main():
                     help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R, stale-data-rank=R or slow-rank=R; several separated by commas")
+                         "label-smoothing-rank=R, stale-data-rank=R, no-eos-rank=R or slow-rank=R; several separated by commas")
     args = ap.parse_args()
 
     ddp_setup()
@@ -171,7 +174,7 @@ def main():
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
-                        collate_fn=make_collate(tok.pad_token_id))
+                        collate_fn=make_collate(tok.pad_token_id, drop_eos=faulted("no-eos-rank")))
     if faulted("eval-pass-rank"):
         model.eval()  # a validation loss before training, and no model.train() after it
         with torch.no_grad():

@@ -75,6 +75,8 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     audits = result["audits"]
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
     assert audits["data_shards"]["measured"] and audits["data_shards"]["samples_per_rank"][0] >= STEPS
+    # Each client's collate (its own, transformers' and TRL's collators) made the same batch of the same samples.
+    assert audits["data_shards"]["message"].endswith("makes the same batch of the dataset's first, middle and last samples")
     assert "PASS" in done.stdout and "audits only" in done.stdout
     # The replay audit runs on every client: with the model's own loss where it is given labels, else (the DDP
     # tutorial's loss is computed outside the model) with a surrogate of its outputs.
@@ -131,11 +133,13 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # uniform distribution, label smoothing barely moves the statistics).
         ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1", STEPS,
          {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1}}),
-        # Judged after the run, over its steps. Exact: the backward hands rank 3's loss twice the others' gradient
-        # (judge/loss_weight.py; the gradient norms' outlier test needed 12 steps). Rank 2 is slow after its backward:
-        # the others wait for it in the next forward's buffer broadcast and in the script's logging all-reduce;
-        # neither may land in their step time (measure/wait_clock.py).
-        ("loss-x2-rank=3,slow-rank=2", 30, {"audit.loss_weight": {3}, "audit.stragglers": {2}}),
+        # Judged after the run, over its steps (--no-fail-fast). Exact: the backward hands rank 3's loss twice the others'
+        # gradient (judge/loss_weight.py; the gradient norms' outlier test needed 12 steps). Rank 2 is slow after its
+        # backward: the others wait for it in the next forward's buffer broadcast and in the script's logging all-reduce;
+        # neither may land in their step time (measure/wait_clock.py). Rank 1's collate drops the EOS: its indices and
+        # dataset agree with everyone's, the batch it makes of the same samples does not (decisive at step 0 otherwise).
+        ("loss-x2-rank=3,slow-rank=2,no-eos-rank=1", 30,
+         {"audit.loss_weight": {3}, "audit.stragglers": {2}, "audit.data_shards": {1}}),
     ],
     ids=["seeds-environment-data", "sampler-eval-smoothing", "loss-x2-slow"],
 )
@@ -143,19 +147,25 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
     if "audit.stragglers" in expected and runqueue.read() is None and runqueue.cores_shared(4):
         pytest.skip("4 ranks share this host's cores and it gives no run-queue clock: stragglers are not judged here")
     out = tmp_path / "run"
+    full = "audit.stragglers" in expected  # judged over every step: no fail fast
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=steps,
-                               script_args=("--bug", bugs)))
+                               extra=("--no-fail-fast",) if full else (), script_args=("--bug", bugs)))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: set(f["ranks"]) for f in verdict["findings"] if not f["passed"]}
     assert {check: failed.get(check) for check in expected} == expected, failed
     result = json.loads((out / "result.json").read_text())
-    if "audit.stragglers" in expected:  # nothing decisive: every step ran
+    if full:
         assert result["stopped_early"] is None and result["steps_completed"] == steps
     else:
         stop = result["stopped_early"]
         assert stop["step"] == 0 and f"audit.{stop['check']}" in expected, stop
         assert stop["message"] == result["audits"][stop["check"]]["message"] and result["steps_completed"] == 0
+    if "no-eos-rank=1" in bugs:  # the fields its collate makes differently, at rank 1 only
+        message = result["audits"]["data_shards"]["message"]
+        assert message.startswith("the ranks' DataLoaders make different batches of the same samples: [0] differs: "
+                                  "ranks 0, 2-3 int64[3,"), message
+        assert "[2] differs" in message and "; rank 1 int64[3," in message, message
     if "audit.environment" in expected:  # the settings that differ, and nothing else
         settings = {"eval-pass-rank": "model.eval_modules", "dropout-rank": "model.dropout",
                     "label-smoothing-rank": "loss.label_smoothing"}

@@ -3,7 +3,9 @@
 * :class:`LoaderRecorder`: the sample indices every DataLoader fetched, per epoch (a new iterator is a
   new epoch), and the DistributedSampler behind them when there is one. Fetches run ahead of the
   forwards (prefetching, accelerate's look-ahead), so what is recorded is a prefix that covers what was
-  trained on: enough for overlap, order and coverage, which the audits judge on prefixes.
+  trained on: enough for overlap, order and coverage, which the audits judge on prefixes. At a loader's first
+  fetch, a digest of its dataset (:func:`dataset_digest`) and what its ``collate_fn`` makes of the same three
+  samples (:func:`batch_facts`), which every rank must share.
 * :func:`first_forward_facts`: RNG state hashes, the torch seed, the precision and the model's settings outside
   its parameters (:mod:`healthcheck.measure.module_facts`) at the first training forward, before any randomness
   of training was drawn.
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from healthcheck.artifacts import RankInfo, SamplerPlan
@@ -32,6 +35,7 @@ class LoaderRecord:
     dataset_size: Optional[int]
     plan: Optional[SamplerPlan]
     dataset_digest: Optional[str] = None
+    batch_facts: dict[str, str] = dataclasses.field(default_factory=dict)
     epochs_started: int = 0
     batches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
@@ -61,7 +65,12 @@ class LoaderRecorder:
         if record is None:
             dataset = getattr(iterator, "_dataset", None)
             record = self.loaders[key] = LoaderRecord(
-                dataset_size=_size(dataset), plan=sampler_plan(index_sampler), dataset_digest=dataset_digest(dataset)
+                dataset_size=_size(dataset),
+                plan=sampler_plan(index_sampler),
+                dataset_digest=dataset_digest(dataset),
+                batch_facts=batch_facts(
+                    dataset, getattr(iterator, "_collate_fn", None), getattr(iterator, "_auto_collation", True)
+                ),
             )
         epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
         if epoch is None:
@@ -128,11 +137,81 @@ def dataset_digest(dataset: Any) -> Optional[str]:
     digest = hashlib.sha256()
     try:
         with replay_rng(0, None):
-            for index in sorted({0, size // 2, size - 1})[:_DIGEST_SAMPLES]:
+            for index in _shared_indices(size):
                 _feed(digest, dataset[index])
     except Exception:  # a dataset that cannot be indexed this way (or fails on it) gives no digest, not an error
         return None
     return f"{size} samples, sha256 {digest.hexdigest()[:12]}"
+
+
+def _shared_indices(size: int) -> list[int]:
+    """The samples every rank reads for the digests: the first, the middle and the last."""
+    return sorted({0, size // 2, size - 1})[:_DIGEST_SAMPLES]
+
+
+def batch_facts(dataset: Any, collate_fn: Any, auto_collation: bool = True) -> dict[str, str]:
+    """What this rank's DataLoader makes of the dataset's first, middle and last samples: each field of the
+    batch (``input_ids``, ``labels``, ``[0]`` for a tuple's first item) with its dtype, shape and a hash. Empty
+    where the batch cannot be made, or where making it twice does not give the same batch.
+
+    Why: :func:`dataset_digest` sees what the dataset holds, and tokenizing, truncating, padding or masking in the
+    ``collate_fn`` comes after it. A rank whose collate drops the EOS token, pads on the left or truncates shorter
+    trains on other tokens from the same samples, and its indices and dataset agree with everyone's. The batch is
+    made with every random generator seeded alike and restored after (a random collate, masking say, then gives the
+    same batch on every rank); one with its own generator gives another batch each time and is left out.
+
+    >>> import torch
+    >>> facts = batch_facts([{"ids": [1, 2], "n": 1}, {"ids": [3, 4], "n": 2}], torch.utils.data.default_collate)
+    >>> sorted(facts), facts["n"].split()[0]
+    (['ids[0]', 'ids[1]', 'n'], 'int64[2]')
+    >>> own = torch.Generator()  # a collate drawing from its own generator: another batch each time
+    >>> batch_facts([1, 2], lambda samples: torch.rand(2, generator=own))
+    {}
+    """
+    import hashlib
+
+    from healthcheck.measure.replay import replay_rng
+
+    size = _size(dataset)
+    if not size or collate_fn is None or not hasattr(dataset, "__getitem__"):
+        return {}
+    made: list[dict[str, str]] = []
+    try:
+        for _ in range(2):
+            with replay_rng(0, None):
+                samples = [dataset[index] for index in _shared_indices(size)]
+                batch = collate_fn(samples) if auto_collation else [collate_fn(sample) for sample in samples]
+            fields: dict[str, Any] = {}
+            _fields(batch, "", fields)
+            made.append({name: _describe(value, hashlib.sha256()) for name, value in fields.items()})
+    except Exception:  # a collate that needs other samples (or fails on these) gives no facts, not an error
+        return {}
+    return made[0] if made[0] == made[1] else {}
+
+
+def _fields(value: Any, name: str, out: dict[str, Any], depth: int = 0) -> None:
+    """A batch's leaves by name: mappings (a dict, transformers' BatchEncoding) by key, lists and tuples
+    that hold tensors or mappings by position; anything else is one leaf."""
+    import numpy as np
+    import torch
+
+    nested = (torch.Tensor, np.ndarray, Mapping)
+    if depth < 4 and isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            _fields(value[key], f"{name}.{key}" if name else str(key), out, depth + 1)
+    elif depth < 4 and isinstance(value, (list, tuple)) and any(isinstance(item, nested) for item in value):
+        for position, item in enumerate(value):
+            _fields(item, f"{name}[{position}]", out, depth + 1)
+    else:
+        out[name or "batch"] = value
+
+
+def _describe(value: Any, digest: Any) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    _feed(digest, value)
+    what = f"{str(dtype).removeprefix('torch.')}[{','.join(str(n) for n in shape)}]" if shape is not None else type(value).__name__
+    return f"{what} {digest.hexdigest()[:8]}"
 
 
 def _feed(digest: Any, value: Any, depth: int = 0) -> None:
@@ -147,7 +226,7 @@ def _feed(digest: Any, value: Any, depth: int = 0) -> None:
         digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, np.ndarray):
         digest.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):  # a dict, or a UserDict such as transformers' BatchEncoding
         for key in sorted(value, key=str):
             digest.update(repr(key).encode())
             _feed(digest, value[key], depth + 1)

@@ -328,6 +328,7 @@ class ScriptSession:
             sampler=plan,
             shard_source="none" if loader is None else ("sampler" if plan else "loader"),
             dataset_digest=loader.dataset_digest if loader else None,
+            batch_facts=loader.batch_facts if loader else {},
         )
         replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
@@ -380,7 +381,8 @@ class ScriptSession:
             self.monitor.close()
         loader = self.loaders.training_loader()
         self.audit.consumed = list(loader.batches) if loader else []
-        self.audit.sampler, self.audit.dataset_digest = (loader.plan, loader.dataset_digest) if loader else (None, None)
+        if loader:
+            self.audit.sampler, self.audit.dataset_digest, self.audit.batch_facts = loader.plan, loader.dataset_digest, loader.batch_facts
         self.audit.shard_source = "none" if loader is None else ("sampler" if loader.plan else "loader")
         self.audit.loss_problem = self._loss_problem
         evidence = self.audit.finish(plan_samples=(loader.dataset_size or 0) if loader else 0)

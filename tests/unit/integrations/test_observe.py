@@ -137,3 +137,47 @@ def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness(
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert observe.dataset_digest([1, 2, 3]) != observe.dataset_digest([1, 9, 3])  # the middle sample differs
     assert observe.dataset_digest(range(0)) is None and observe.dataset_digest({"not": "indexable"}) is None
+
+
+def test_the_batch_facts_follow_the_collate_and_not_the_scripts_randomness():
+    import random
+
+    from transformers import BatchEncoding
+
+    rows = [{"ids": list(range(i + 2))} for i in range(7)]
+
+    def pad(samples, eos=True, noise=False):  # a collate that pads, and (like MLM masking) may draw randomness
+        ids = [row["ids"] + ([99] if eos else []) for row in samples]
+        width = max(len(i) for i in ids)
+        batch = torch.tensor([i + [0] * (width - len(i)) for i in ids])
+        if noise:
+            batch = batch + (torch.rand(batch.shape) < 0.5).long()
+        return BatchEncoding({"input_ids": batch, "attention_mask": (batch != 0).long()})  # a UserDict, not a dict
+
+    torch.manual_seed(3)
+    random.seed(3)
+    before = (torch.get_rng_state(), random.getstate())
+    facts = observe.batch_facts(rows, pad)
+    assert sorted(facts) == ["attention_mask", "input_ids"] and facts["input_ids"].startswith("int64[3,9] ")
+    assert observe.batch_facts(rows, lambda s: pad(s, noise=True)) == observe.batch_facts(rows, lambda s: pad(s, noise=True))
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    no_eos = observe.batch_facts(rows, lambda s: pad(s, eos=False))
+    assert no_eos["input_ids"].startswith("int64[3,8] ") and no_eos != facts
+    # Without automatic batching (batch_size=None) the collate sees one sample at a time.
+    assert sorted(observe.batch_facts(rows, lambda row: torch.tensor(row["ids"]), auto_collation=False)) == ["[0]", "[1]", "[2]"]
+    assert observe.batch_facts(rows, lambda s: 1 / 0) == {} and observe.batch_facts(range(0), pad) == {}
+    # The dataset digest reads a UserDict's contents too (it used to hash BatchEncoding samples by type only).
+    encoded = [BatchEncoding({"input_ids": [i, i + 1]}) for i in range(3)]
+    assert observe.dataset_digest(encoded) != observe.dataset_digest([BatchEncoding({"input_ids": [i, 7]}) for i in range(3)])
+
+
+def test_a_loaders_first_fetch_records_its_batch_facts():
+    session = Session()
+    patches = install(session)
+    try:
+        loader = DataLoader([[i, i + 1] for i in range(10)], batch_size=2, shuffle=False)
+        next(iter(loader))
+    finally:
+        patches.restore()
+    (record,) = session.loaders.loaders.values()
+    assert sorted(record.batch_facts) == ["[0]", "[1]"] and record.batch_facts["[0]"].startswith("int64[3] ")

@@ -61,3 +61,39 @@ def test_ranks_that_split_the_data_themselves_are_not_judged_by_index():
     twice = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {min(r, 2)}") for r in range(4)]
     outcome = script_shard_audit(twice)
     assert not outcome.passed and set(outcome.ranks) == {2, 3}
+
+
+BATCH = {"input_ids": "int64[3,40] 1a2b3c4d", "labels": "int64[3,40] 5e6f7a8b"}
+NO_EOS = {"input_ids": "int64[3,39] 0badc0de", "labels": "int64[3,39] 0ddba11a"}
+
+
+def with_batch(rank_evidence: RankEvidence, facts: dict) -> RankEvidence:
+    return rank_evidence.model_copy(update={"dataset_digest": "64 samples, sha256 a", "batch_facts": facts})
+
+
+def test_a_rank_whose_loader_makes_another_batch_of_the_same_samples_is_named_before_its_shards():
+    for rank in (0, 2, 3):  # not always rank 3
+        ranks = [with_batch(evidence(r, 4, seed=5), NO_EOS if r == rank else BATCH) for r in range(4)]
+        outcome = script_shard_audit(ranks)
+        assert not outcome.passed and outcome.ranks == (rank,), outcome
+        assert outcome.message.startswith("the ranks' DataLoaders make different batches of the same samples: input_ids differs: ")
+        assert f"rank {rank} int64[3,39] 0badc0de; labels differs: " in outcome.message
+    # One field apart: only that field is listed.
+    masked = {**BATCH, "labels": "int64[3,40] 99999999"}
+    outcome = script_shard_audit([with_batch(evidence(r, 4, seed=5), masked if r == 1 else BATCH) for r in range(4)])
+    assert outcome.ranks == (1,) and "labels differs" in outcome.message and "input_ids" not in outcome.message
+
+
+def test_batches_are_compared_only_where_every_rank_made_one_of_one_dataset():
+    same = [with_batch(evidence(r, 4, seed=5), BATCH) for r in range(4)]
+    outcome = script_shard_audit(same)
+    assert outcome.passed and outcome.message.endswith("every rank's DataLoader makes the same batch of the dataset's "
+                                                       "first, middle and last samples")
+    # A rank whose collate is not reproducible (its own generator) made none: the batches are not compared.
+    unknown = [with_batch(evidence(r, 4, seed=5), {} if r == 0 else (NO_EOS if r == 2 else BATCH)) for r in range(4)]
+    outcome = script_shard_audit(unknown)
+    assert outcome.passed and "same batch" not in outcome.message
+    # Each rank on its own part of the data (split_dataset_by_node): other samples, so other batches, rightly.
+    own = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {r}").model_copy(
+        update={"batch_facts": {"x": f"int64[3] {r}"}}) for r in range(4)]
+    assert not script_shard_audit(own).measured
