@@ -193,7 +193,7 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
         return AuditOutcome(
             True,
             f"{ranks_phrase(everyone)} agree on {summary}, device {first.get('device_name', '?')}, "
-            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_ variables",
+            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_/CUBLAS_ variables",
             "uniform",
             (),
             {"compared": len(keys)},

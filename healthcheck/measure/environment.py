@@ -9,7 +9,7 @@ from typing import Any
 
 
 def versions() -> dict[str, str]:
-    """The software and determinism settings a rank runs with (compared by the environment audit)."""
+    """The software, determinism and math settings a rank runs with (compared by the environment audit)."""
     import torch
     import transformers
 
@@ -19,10 +19,69 @@ def versions() -> dict[str, str]:
     out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
     out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
     out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
+    out.update(numerics())
     return out
 
 
-ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_")
+#: The fp32 math of each backend a script can lower: TF32 in cuBLAS and cuDNN, bf16 in oneDNN on a CPU.
+_FP32_BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv")
+_CUDA_MATMUL_FLAGS = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction", "allow_fp16_accumulation")
+_SDPA_KERNELS = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def numerics() -> dict[str, str]:
+    """The process-wide math settings that change a rank's results without changing its code: a script (or a
+    per-node config) that calls ``torch.set_float32_matmul_precision("high")``, sets ``allow_tf32`` or turns off
+    an attention kernel on some ranks computes other gradients from the same batch.
+
+    Each fp32 backend's precision is read through torch's per-backend API (2.9 and later), where ``none``
+    (inherit, never set) means full precision, as ``ieee`` does: equal math is equal text. Before that API,
+    the legacy TF32 flags. A setting this torch lacks, or that it refuses to read (mixing the legacy and new
+    APIs makes some getters raise), is left out.
+
+    >>> import torch
+    >>> before = numerics()
+    >>> torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    >>> {k: (before[k], v) for k, v in numerics().items() if v != before[k]}
+    {'fp32_precision.mkldnn.matmul': ('ieee', 'bf16')}
+    >>> torch.backends.mkldnn.matmul.fp32_precision = "none"
+    >>> numerics() == before
+    True
+    """
+    import torch
+
+    out: dict[str, str] = {}
+    for path in _FP32_BACKENDS:
+        value = _read(torch.backends, f"{path}.fp32_precision")
+        if value is not None:
+            out[f"fp32_precision.{path}"] = "ieee" if value == "none" else value
+    if not out:  # torch before the per-backend API
+        for key, attribute in (("fp32_precision.cuda.matmul", "cuda.matmul.allow_tf32"), ("fp32_precision.cudnn", "cudnn.allow_tf32")):
+            value = _read(torch.backends, attribute)
+            if value is not None:
+                out[key] = "tf32" if value == "True" else "ieee"
+    for flag in _CUDA_MATMUL_FLAGS:
+        value = _read(torch.backends, f"cuda.matmul.{flag}")
+        if value is not None:
+            out[f"cuda.matmul.{flag}"] = value
+    kernels = [name for name in _SDPA_KERNELS if _read(torch.backends, f"cuda.{name}_sdp_enabled", call=True) == "True"]
+    out["sdpa_kernels"] = ", ".join(kernels) or "none"
+    return out
+
+
+def _read(root: Any, dotted: str, call: bool = False) -> str | None:
+    """``root.a.b`` (called when ``call``) as text; None where torch lacks it or refuses to read it."""
+    try:
+        value = root
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return str(value() if call else value)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+#: Communication and runtime variables; NVIDIA_TF32_OVERRIDE and CUBLAS_WORKSPACE_CONFIG change cuBLAS's math.
+ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_", "NVIDIA_TF32_OVERRIDE", "CUBLAS_")
 
 
 def rank_environment() -> dict[str, str]:

@@ -12,7 +12,9 @@ computes a validation loss before training and leaves the model in eval mode), `
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
 (rank R's loss has label smoothing 0.1, the same kind of override), ``stale-data-rank=R`` (rank R's copy of the
 data file lacks its first row: same length, other samples at each index), ``no-eos-rank=R`` (rank R's collate
-drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would) and ``slow-rank=R``
+drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would),
+``matmul-medium-rank=R`` (rank R calls ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch
+config adds: bf16 matmuls in oneDNN, TF32 in cuBLAS) and ``slow-rank=R``
 (rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 """
@@ -142,7 +144,8 @@ def main():
                     help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R, stale-data-rank=R, no-eos-rank=R or slow-rank=R; several separated by commas")
+                         "label-smoothing-rank=R, stale-data-rank=R, no-eos-rank=R, matmul-medium-rank=R or slow-rank=R; "
+                         "several separated by commas")
     args = ap.parse_args()
 
     ddp_setup()
@@ -155,6 +158,8 @@ def main():
 
     if faulted("reseed-rank"):
         torch.manual_seed(args.seed + rank)
+    if faulted("matmul-medium-rank"):
+        torch.set_float32_matmul_precision("medium")
     tok = AutoTokenizer.from_pretrained(args.model)
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
