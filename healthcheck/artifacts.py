@@ -97,6 +97,10 @@ class EarlyStop(Record):
     step: int = Field(description="The step whose evidence decided (0 for evidence known before the first step).")
     check: str = Field(description="The audit that decided: data_shards, seeds, environment, param_equality, nonfinite.")
     message: str = Field(description="The audit's one-line message.")
+    unavoidable: bool = Field(
+        False, description="The ranks could not train past it (a non-finite update, ranks that shard differently): "
+        "--no-fail-fast stops there too."
+    )
 
     def headline(self) -> str:
         """``stopped early at step S: <check>``.

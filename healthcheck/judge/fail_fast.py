@@ -63,7 +63,8 @@ class FailFast:
         """A non-finite loss or gradient at ``step`` on ``ranks`` stops the run, fail fast or not."""
         if self.stop is None and ranks:
             self.stop = EarlyStop(
-                step=step, check="nonfinite", message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}"
+                step=step, check="nonfinite", message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}",
+                unavoidable=True,
             )
         return self.stop is not None
 
@@ -71,4 +72,4 @@ class FailFast:
         """A failure the ranks cannot train past (their collectives would no longer match) stops the run at
         ``step``, fail fast or not, and whatever the baseline approves."""
         if self.stop is None:
-            self.stop = EarlyStop(step=step, check=check, message=outcome.message)
+            self.stop = EarlyStop(step=step, check=check, message=outcome.message, unavoidable=True)

@@ -217,10 +217,8 @@ def _stopped_early_notes(result: RunResult, findings: list[Finding], envelopes: 
     if all(f.passed for f in findings):
         findings.append(Finding(check="fail_fast", title="Fail fast", passed=False, message=f"{stop.headline()}: {stop.message}"))
     skipped = f"its {envelopes} statistical envelopes were not judged" if envelopes else "no statistical envelope was judged"
-    return [
-        f"{stop.headline()} ({result.steps_completed} of {result.steps_planned} steps ran): {skipped} on a truncated "
-        f"window; rerun with --no-fail-fast to see them"
-    ]
+    then = "the ranks cannot train past it, with --no-fail-fast either" if stop.unavoidable else "rerun with --no-fail-fast to see them"
+    return [f"{stop.headline()} ({result.steps_completed} of {result.steps_planned} steps ran): {skipped} on a truncated window; {then}"]
 
 
 def judge_audits_only(result: RunResult) -> Verdict:

@@ -109,10 +109,11 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     result = json.loads((out / "result.json").read_text())
     assert result["failure"] is None and result["steps_completed"] == 0
     message = "fsdp.param_dtype differs: ranks 0-1, 3 torch.bfloat16; rank 2 torch.float32"
-    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message}
+    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True}
     assert result["audits"]["environment"]["message"] == message
     verdict = json.loads((out / "verdict.json").read_text())
     assert {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]} == {"audit.environment": [2]}
+    assert verdict["notes"][-1].endswith("the ranks cannot train past it, with --no-fail-fast either"), verdict["notes"]
 
 
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):

@@ -40,6 +40,7 @@ from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss
 from healthcheck.integrations.script.shard_agreement import sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
+from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.evidence import AuditRecorder
@@ -159,9 +160,11 @@ class ScriptSession:
         )
 
     def before_fully_shard(self, module: Any) -> None:
+        """``fully_shard(module)`` is about to run (see :class:`.ShardedRoot`)."""
         self.fsdp.before(module)
 
     def on_fully_shard(self, module: Any) -> None:
+        """``fully_shard(module)`` ran: one more candidate for the trained root, unless training started."""
         if self.model is not None:
             if self.fsdp.root is None:
                 raise InvalidInput("the script shards a module with fully_shard after wrapping a model in DDP; a probe measures one")
@@ -183,7 +186,7 @@ class ScriptSession:
         )
         self._first_training_forward(module, args)
 
-    def _stop_before_sharding(self, module: Any, outcome: Any) -> None:
+    def _stop_before_sharding(self, module: Any, outcome: AuditOutcome) -> None:
         """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
         FSDP2's first all-gather, with what it knows there as the evidence (the environment audit fails on the
         sharding facts; seeds and shards are judged on the first forward's RNG and the fetched batches)."""

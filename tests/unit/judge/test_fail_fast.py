@@ -44,6 +44,7 @@ def test_disabled_fail_fast_still_stops_on_a_non_finite_value():
     assert not gate.nonfinite(2, [])
     assert gate.nonfinite(2, [1, 3])
     assert gate.stop.check == "nonfinite" and gate.stop.message == "non-finite loss or gradient on ranks 1, 3 at step 2"
+    assert gate.stop.unavoidable
     assert FailFast().policy.enabled is False  # no policy: the Python API runs every step
 
 
@@ -54,7 +55,7 @@ def test_a_failure_the_ranks_cannot_train_past_stops_them_without_fail_fast_and_
         assert not gate.judge(0, {"environment": outcome})
         gate.cannot_continue(0, "environment", outcome)
         assert gate.stop.headline() == "stopped early at step 0: environment"
-        assert gate.stop.message == outcome.message
+        assert gate.stop.message == outcome.message and gate.stop.unavoidable
 
 
 SHARDS_FAILED = {"data_shards": {"passed": False, "message": "ranks 0-7 read the same samples", "ranks": [0, 1],
@@ -73,7 +74,15 @@ def test_a_stopped_probe_is_judged_on_its_audits_only():
     assert verdict.status == "fail" and verdict.exit_code == 1
     assert [f.check for f in verdict.findings] == ["audit.data_shards"]  # no envelope on a truncated window
     assert verdict.stopped_early == "stopped early at step 0: data_shards"
-    assert any("not judged on a truncated window" in note and "0 of 60 steps ran" in note for note in verdict.notes)
+    assert any("not judged on a truncated window" in note and "0 of 60 steps ran" in note and
+               note.endswith("rerun with --no-fail-fast to see them") for note in verdict.notes)
+
+
+def test_a_stop_the_ranks_cannot_train_past_does_not_suggest_running_on():
+    result = _stopped()
+    result.stopped_early = result.stopped_early.model_copy(update={"unavoidable": True})
+    notes = judge_audits_only(result).notes
+    assert any(note.endswith("the ranks cannot train past it, with --no-fail-fast either") for note in notes), notes
 
 
 def test_a_stopped_probe_never_passes_even_if_its_audits_do():
