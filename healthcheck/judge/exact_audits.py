@@ -12,7 +12,7 @@ rank_outliers) live in :mod:`healthcheck.judge.rank_outliers`, the shard audit i
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from healthcheck.finite import is_finite_number
 from healthcheck.judge.audit_outcome import (
@@ -175,12 +175,7 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
     """
     table = [environment_fields(r) for r in ranks]
     keys = sorted({k for row in table for k in row})
-    differing = []
-    for key in keys:
-        values = [row.get(key, UNSET) for row in table]
-        groups = group_ranks(values)
-        if len(groups) > 1:
-            differing.append((key, groups, values))
+    differing = differing_fields(table)
     everyone = range(len(ranks))
     if not differing:
         first = table[0] if table else {}
@@ -198,13 +193,37 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
             (),
             {"compared": len(keys)},
         )
-    parts, blamed = [], set()
-    for key, groups, values in differing:
-        name = key.removeprefix("versions.")
-        parts.append(f"{name} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups))
-        blamed.update(odd_ones_out(groups))
+    blamed = sorted({rank for _, groups, _ in differing for rank in odd_ones_out(groups)})
     signature = "; ".join(f"{key} {partition_signature(groups)}" for key, groups, _ in differing)
-    return AuditOutcome(False, "; ".join(parts), signature, tuple(sorted(blamed)), {"differing": [key for key, _, _ in differing]})
+    message = differences_phrase(differing, name=lambda key: key.removeprefix("versions."))
+    return AuditOutcome(False, message, signature, tuple(blamed), {"differing": [key for key, _, _ in differing]})
+
+
+def differing_fields(table: Sequence[Mapping[str, str]]) -> list[tuple[str, list[list[int]], list[str]]]:
+    """The fields, in name order, on which the ranks' rows disagree: (field, ranks grouped by value, each rank's
+    value); a field a row lacks reads ``<unset>``.
+
+    >>> differing_fields([{"a": "1", "b": "x"}, {"a": "1", "b": "y"}, {"a": "1"}])
+    [('b', [[0], [1], [2]], ['x', 'y', '<unset>'])]
+    """
+    out = []
+    for key in sorted({k for row in table for k in row}):
+        values = [row.get(key, UNSET) for row in table]
+        groups = group_ranks(values)
+        if len(groups) > 1:
+            out.append((key, groups, values))
+    return out
+
+
+def differences_phrase(differing: Sequence[tuple[str, list[list[int]], list[str]]], name: Callable[[str], str] = str) -> str:
+    """``field differs: ranks 0-1, 3 value; rank 2 value`` for each of :func:`differing_fields`, joined by ``; ``.
+
+    >>> differences_phrase(differing_fields([{"a": "1"}, {"a": "1"}, {"a": "2"}]))
+    'a differs: ranks 0-1 1; rank 2 2'
+    """
+    return "; ".join(
+        f"{name(key)} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups) for key, groups, values in differing
+    )
 
 
 def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:

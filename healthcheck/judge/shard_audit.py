@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Mapping, Optional, Sequence
 
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, rank_span, ranks_phrase
+from healthcheck.judge.exact_audits import differences_phrase, differing_fields
 
 
 def flatten_epochs(batches: Sequence[tuple[int, Sequence[int]]]) -> dict[int, list[int]]:
@@ -178,15 +179,9 @@ def batch_audit(per_rank: Sequence[Mapping[str, str]]) -> Optional[AuditOutcome]
     whole = group_ranks([tuple(sorted(facts.items())) for facts in per_rank])
     if len(whole) == 1:
         return None
-    parts = []
-    for field in dict.fromkeys(name for facts in per_rank for name in facts):
-        values = [facts.get(field, "absent") for facts in per_rank]
-        groups = group_ranks(values)
-        if len(groups) > 1:
-            parts.append(f"{field} differs: " + "; ".join(f"{ranks_phrase(g)} {values[g[0]]}" for g in groups))
     return AuditOutcome(
         False,
-        "the ranks' DataLoaders make different batches of the same samples: " + "; ".join(parts),
+        "the ranks' DataLoaders make different batches of the same samples: " + differences_phrase(differing_fields(per_rank)),
         f"batches {partition_signature(whole)}",
         tuple(odd_ones_out(whole)),
     )
