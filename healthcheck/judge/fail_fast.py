@@ -61,15 +61,12 @@ class FailFast:
 
     def nonfinite(self, step: int, ranks: Sequence[int]) -> bool:
         """A non-finite loss or gradient at ``step`` on ``ranks`` stops the run, fail fast or not."""
-        if self.stop is None and ranks:
-            self.stop = EarlyStop(
-                step=step, check="nonfinite", message=f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}",
-                unavoidable=True,
-            )
+        if ranks:
+            self.cannot_continue(step, "nonfinite", f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}")
         return self.stop is not None
 
-    def cannot_continue(self, step: int, check: str, outcome: AuditOutcome) -> None:
-        """A failure the ranks cannot train past (their collectives would no longer match) stops the run at
-        ``step``, fail fast or not, and whatever the baseline approves."""
+    def cannot_continue(self, step: int, check: str, message: str) -> None:
+        """A failure the ranks cannot train past (the update spread it, or their collectives would no longer
+        match) stops the run at ``step``, fail fast or not, and whatever the baseline approves."""
         if self.stop is None:
-            self.stop = EarlyStop(step=step, check=check, message=outcome.message, unavoidable=True)
+            self.stop = EarlyStop(step=step, check=check, message=message, unavoidable=True)

@@ -202,7 +202,7 @@ class ScriptSession:
         info, _ = observe.rank_info(facts, loader.plan if loader else None)
         self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
         self._first_step_at, self._train_started = time.time(), time.perf_counter()
-        self.fail_fast.cannot_continue(0, "environment", outcome)
+        self.fail_fast.cannot_continue(0, "environment", outcome.message)
         self._finish()
         raise ProbeComplete()
 

@@ -53,7 +53,7 @@ def test_a_failure_the_ranks_cannot_train_past_stops_them_without_fail_fast_and_
     for policy in (FailFastPolicy(enabled=False), FailFastPolicy(approved={"environment": "env 0-1|2"})):
         gate = FailFast(policy)
         assert not gate.judge(0, {"environment": outcome})
-        gate.cannot_continue(0, "environment", outcome)
+        gate.cannot_continue(0, "environment", outcome.message)
         assert gate.stop.headline() == "stopped early at step 0: environment"
         assert gate.stop.message == outcome.message and gate.stop.unavoidable
 
