@@ -86,7 +86,9 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
-    outcomes["replay"] = replay_outcome(config, evidence.replay)
+    environment = outcomes.get("environment")
+    differ = environment.ranks if environment is not None and not environment.passed else ()
+    outcomes["replay"] = replay_outcome(config, evidence.replay, differ)
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
 
 
@@ -146,8 +148,9 @@ def parameter_outcomes(
     }
 
 
-def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence]) -> AuditOutcome:
-    """The replay audit, or why it was not measured (switched off, FSDP2, a script whose model gives no loss)."""
+def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence], settings_differ: Sequence[int] = ()) -> AuditOutcome:
+    """The replay audit, or why it was not measured (switched off, FSDP2, a script whose model gives no loss);
+    ``settings_differ``: the ranks the environment audit named (:func:`replay_audit`)."""
     if config.metrics.replay_every == 0:
         return not_measured("metrics.replay_every is 0")
     if evidence is not None and evidence.unavailable:
@@ -159,7 +162,7 @@ def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence]) -> A
         )
     if evidence is None:
         return not_measured("the workers recorded no replay")
-    return replay_audit(evidence)
+    return replay_audit(evidence, settings_differ)
 
 
 def builtin_shard_audit(

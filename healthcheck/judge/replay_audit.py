@@ -110,8 +110,13 @@ def split_replays(labels: Sequence[Hashable], device_groups: Sequence[Sequence[i
     return ReplaySplit(groups, references, no_majority)
 
 
-def replay_audit(evidence: ReplayEvidence) -> AuditOutcome:
-    """Every replay round judged: the first round where a rank disagreed decides, later ones are listed."""
+def replay_audit(evidence: ReplayEvidence, settings_differ: Sequence[int] = ()) -> AuditOutcome:
+    """Every replay round judged: the first round where a rank disagreed decides, later ones are listed.
+
+    ``settings_differ``: the ranks the environment audit named. A rank that runs another config, precision or
+    kernel setting computes another gradient on a sound device, so where those explain every odd rank the
+    advice is to fix the settings, not to drain the node.
+    """
     rounds = evidence.rounds
     if not rounds:
         return not_measured("the probe stopped before its first replay")
@@ -141,7 +146,13 @@ def replay_audit(evidence: ReplayEvidence) -> AuditOutcome:
                 f"[{mode}]; rerun `healthcheck probe` on each node separately to find the faulty device"
             )
             return AuditOutcome(False, message, f"no-majority {split}", named, details)
-        message = f"{_disagreement(first)}{also} [{mode}]: {ADVICE}"
+        advice = ADVICE
+        if set(named) <= set(settings_differ):
+            advice = (
+                f"{ranks_phrase(named)} also {'runs' if len(named) == 1 else 'run'} with other settings "
+                f"(audit.environment), which explains a different gradient: fix them before suspecting the device"
+            )
+        message = f"{_disagreement(first)}{also} [{mode}]: {advice}"
         return AuditOutcome(False, message, f"differs {rank_span(named)}", named, details)
     steps = ", ".join(str(r.step) for r in rounds)
     agreed = "bit-identical gradients" if evidence.mode == "bitwise" else "gradients within the tolerance"

@@ -12,23 +12,45 @@ exactly, as strings, like the optimizer's hyperparameters:
   keep instead of a module (``attention_dropout``);
 * ``model.eval_modules``: the modules that are in eval mode (``training`` False) during a training forward;
 * ``model.attn_implementation``: the attention kernel a transformers model dispatches to (eager, sdpa,
-  flash_attention_2, ...), where it has one.
+  flash_attention_2, ...), where it has one;
+* ``model.config.<key>``: each setting of a transformers model's config (nested ones as
+  ``rope_parameters.rope_theta``), but those that cannot change what a training step computes (paths, the
+  transformers version, cache and output switches). A node whose copy of ``config.json`` is another revision
+  (``rms_norm_eps`` 1e-5 against 1e-6, another ``rope_theta``) builds the same parameters and computes another
+  function: in a 4-rank script-mode probe of a small Llama, only the replay audit noticed a rank with
+  ``rms_norm_eps`` 1e-5, and it blamed the device;
+* ``model.modules.<type>``: for each module type with settings in its ``extra_repr`` (``LayerNorm``'s eps,
+  ``GELU``'s approximation, a norm's shape), the distinct settings and how many modules have each. This is
+  the same check for a model without a transformers config: another revision of the model code on one node.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
+
+#: Config keys that cannot change what a training step computes; they may differ between ranks harmlessly
+#: (the checkpoint's path on each node) or are compared elsewhere (the transformers version). Keys that
+#: start with ``_`` are private bookkeeping (``_name_or_path``, ``_commit_hash``) and are skipped too.
+IGNORED_CONFIG_KEYS = frozenset(
+    {"transformers_version", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript"}
+)
+#: A longer value is shown by its start and a digest, so a rank's record stays small.
+MAX_VALUE_CHARS = 120
+#: A device index in a module's settings (``cuda:3``) is per rank by design, not a difference.
+_DEVICE_INDEX = re.compile(r"\b(cuda|npu|xpu|mps|hpu):\d+")
 
 
 def module_facts(model: Any) -> dict[str, str]:
-    """The model's dropout rates, eval-mode modules and attention kernel, as comparable strings.
+    """The model's dropout rates, eval-mode modules, attention kernel, config and module settings, as strings.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Dropout(0.1))
-    >>> module_facts(net)
-    {'model.dropout': 'p=0.1 in 2 modules', 'model.eval_modules': 'none of 4 in eval mode'}
+    >>> facts = module_facts(net)
+    >>> facts["model.dropout"], facts["model.eval_modules"], facts["model.modules.Dropout"]
+    ('p=0.1 in 2 modules', 'none of 4 in eval mode', '2x p=0.1, inplace=False')
     >>> _ = net[2].eval()
     >>> module_facts(net)["model.eval_modules"]
     '1 of 4 in eval mode: 2'
@@ -49,11 +71,73 @@ def module_facts(model: Any) -> dict[str, str]:
         or "none",
         "model.eval_modules": _eval_modules(named),
     }
-    config = getattr(model, "config", None)
+    config = _transformers_config(named)
     kernel = getattr(config, "_attn_implementation", None)
     if isinstance(kernel, str):
         facts["model.attn_implementation"] = kernel
+    if config is not None:
+        facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(config.to_dict())})
+    facts.update(module_settings(named))
     return facts
+
+
+def module_settings(named: list[tuple[str, Any]]) -> dict[str, str]:
+    """``model.modules.<type>``: each module type's distinct ``extra_repr`` settings and how many modules have each.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.LeakyReLU(0.2), torch.nn.GELU("tanh"), torch.nn.LeakyReLU(0.01), torch.nn.LeakyReLU(0.2))
+    >>> for key, value in module_settings(list(net.named_modules())).items():
+    ...     print(key, "=", value)
+    model.modules.GELU = 1x approximate='tanh'
+    model.modules.LeakyReLU = 1x negative_slope=0.01 | 2x negative_slope=0.2
+    """
+    settings: dict[str, Counter[str]] = {}
+    for _, module in named:
+        text = _DEVICE_INDEX.sub(r"\1:N", module.extra_repr())
+        if text:
+            settings.setdefault(type(module).__name__, Counter())[text] += 1
+    return {
+        f"model.modules.{kind}": _shown(" | ".join(f"{count}x {text}" for text, count in sorted(seen.items())))
+        for kind, seen in sorted(settings.items())
+    }
+
+
+def _transformers_config(named: list[tuple[str, Any]]) -> Any:
+    """The config of the outermost module that has a transformers-style one (under a DDP or PEFT wrapper too)."""
+    for _, module in named:
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)):
+            return config
+    return None
+
+
+def _flat(settings: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A config dict's comparable leaves, nested keys joined by dots, in key order.
+
+    >>> list(_flat({"b": 1, "_name_or_path": "/x", "use_cache": True, "a": {"c": [1, 2]}}))
+    [('a.c', [1, 2]), ('b', 1)]
+    """
+    for key in sorted(settings, key=str):
+        if str(key).startswith("_") or key in IGNORED_CONFIG_KEYS:
+            continue
+        value = settings[key]
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _shown(value: Any) -> str:
+    """A setting as a short string; a long one as its start and a digest of all of it.
+
+    >>> _shown(1e-06), _shown("x" * 200)[-30:]
+    ('1e-06', 'xxxxx... (200 chars, aa20c23e)')
+    """
+    text = str(value)
+    if len(text) <= MAX_VALUE_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{text[:MAX_VALUE_CHARS - 40]}... ({len(text)} chars, {digest})"
 
 
 def _eval_modules(named: list[tuple[str, Any]]) -> str:

@@ -10,7 +10,8 @@ Logged per step (rank 0): the global token-weighted mean loss = all_reduce(sum o
 after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2), ``eval-pass-rank=R`` (rank R
 computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
-(rank R's loss has label smoothing 0.1, the same kind of override), ``stale-data-rank=R`` (rank R's copy of the
+(rank R's loss has label smoothing 0.1, the same kind of override), ``norm-eps-rank=R`` (rank R loads the model
+with ``rms_norm_eps=1e-5``, as a node whose copy of config.json is another revision would), ``stale-data-rank=R`` (rank R's copy of the
 data file lacks its first row: same length, other samples at each index), ``no-eos-rank=R`` (rank R's collate
 drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would),
 ``matmul-medium-rank=R`` (rank R calls ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch
@@ -144,7 +145,7 @@ def main():
                     help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R, stale-data-rank=R, no-eos-rank=R, matmul-medium-rank=R or slow-rank=R; "
+                         "label-smoothing-rank=R, norm-eps-rank=R, stale-data-rank=R, no-eos-rank=R, matmul-medium-rank=R or slow-rank=R; "
                          "several separated by commas")
     args = ap.parse_args()
 
@@ -162,6 +163,8 @@ def main():
         torch.set_float32_matmul_precision("medium")
     tok = AutoTokenizer.from_pretrained(args.model)
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
+    if faulted("norm-eps-rank"):
+        overrides["rms_norm_eps"] = 1e-5
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
     model.train()  # from_pretrained returns the model in eval mode
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if faulted("stale-data-rank") else 0)

@@ -130,9 +130,10 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         ("reseed-rank=1,dropout-rank=3,stale-data-rank=2,matmul-medium-rank=0", STEPS,
          {"audit.seeds": {1}, "audit.environment": {0, 3}, "audit.data_shards": {2}}),
         # A sampler seeded per rank; a rank left in eval mode by a validation pass; a loss setting on one rank (near the
-        # uniform distribution, label smoothing barely moves the statistics).
-        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1", STEPS,
-         {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1}}),
+        # uniform distribution, label smoothing barely moves the statistics); a rank whose model config is another
+        # revision (the same parameters, another function: only the replay noticed it, and blamed the device).
+        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1,norm-eps-rank=2", STEPS,
+         {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1, 2}}),
         # Judged after the run, over its steps (--no-fail-fast). Exact: the backward hands rank 3's loss twice the others'
         # gradient (judge/loss_weight.py; the gradient norms' outlier test needed 12 steps). Rank 2 is slow after its
         # backward: the others wait for it in the next forward's buffer broadcast and in the script's logging all-reduce;
@@ -167,8 +168,10 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
                                   "ranks 0, 2-3 int64[3,"), message
         assert "[2] differs" in message and "; rank 1 int64[3," in message, message
     if "audit.environment" in expected:  # the settings that differ, and nothing else
-        settings = {"eval-pass-rank": ["model.eval_modules"], "dropout-rank": ["model.dropout"],
+        settings = {"eval-pass-rank": ["model.eval_modules"],
+                    "dropout-rank": ["model.config.attention_dropout", "model.dropout"],
                     "label-smoothing-rank": ["loss.label_smoothing"],
+                    "norm-eps-rank": ["model.config.rms_norm_eps", "model.modules.LlamaRMSNorm"],
                     # "medium" lowers every backend's fp32 matmul that has no precision of its own: cuBLAS and oneDNN
                     "matmul-medium-rank": ["fp32_precision.cuda.matmul", "fp32_precision.mkldnn.matmul"]}
         named = [s for bug in bugs.split(",") for s in settings.get(bug.partition("=")[0], [])]

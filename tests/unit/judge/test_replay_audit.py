@@ -89,6 +89,18 @@ def test_a_disagreeing_rank_is_named_with_step_size_repeat_and_advice():
     assert "drain the node and rerun `healthcheck probe` on the rest" in message
 
 
+def test_a_rank_whose_settings_differ_is_not_sent_to_be_drained():
+    # Another config or matmul precision on a sound device: the environment audit has the cause.
+    bad = ReplayRound(step=0, source_rank=3, groups=[[0, 1, 3], [2]], differences=[_difference(2)])
+    outcome = replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]), settings_differ=(2,))
+    assert not outcome.passed and outcome.ranks == (2,)
+    assert ADVICE not in outcome.message
+    assert outcome.message.endswith("rank 2 also runs with other settings (audit.environment), which explains a "
+                                    "different gradient: fix them before suspecting the device")
+    # Settings that differ on another rank explain nothing about this one.
+    assert ADVICE in replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]), settings_differ=(1,)).message
+
+
 def test_a_transient_difference_still_fails_and_says_so():
     bad = ReplayRound(step=15, source_rank=2, groups=[[0, 1, 2], [3]], differences=[_difference(3, reproduced=False)])
     outcome = replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]))
