@@ -2,7 +2,8 @@
 
 Some evidence is final long before the last step: shards that overlap are in the sampler plan before
 the first step, seeds and the environment are known at start-up, and a parameter-hash mismatch, a
-rank whose replay of a shared micro-batch disagrees or a non-finite value is known at its step. The
+rank whose replay of a shared micro-batch disagrees or a non-finite value is known at its step; a rank
+whose loss enters its backward with another weight, after a few steps (:class:`.loss_weight.LossWeightWatch`). The
 workers judge that evidence with the same pure audits the post-run assembly uses (:mod:`.assemble`),
 on data every rank holds identically after a gather, so every rank reaches the same decision at the same step without another collective.
 
@@ -30,7 +31,7 @@ from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.ranks import ranks_phrase
 
 #: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
-DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite")
+DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite", "loss_weight")
 
 
 class FailFast:

@@ -119,6 +119,38 @@ def loss_weight_audit(
     return AuditOutcome(False, message, partition_signature(levels), tuple(odd), details)
 
 
+#: Judged steps after which a failing loss-weight audit stops the probe (fail fast). A per-rank scale is
+#: constant from the first step; weights that follow the data keep the ratios constant over this many steps
+#: only when the counts behind them are themselves constant, which is no data dependence at all.
+DECISIVE_STEPS = 4
+
+
+class LossWeightWatch:
+    """The loss-weight audit as the steps' weights arrive (the same gathered values on every rank), for fail fast.
+
+    >>> watch = LossWeightWatch()
+    >>> [watch.add(s, [1.0, 1.0, 2.0], None) for s in range(3)]
+    [None, None, None]
+    >>> print(watch.add(3, [1.0, 1.0, 2.0], None).message)
+    rank 2's loss enters its backward with 2x the weight of ranks 0-1's, in each of 4 steps: that data trains the model 2x as hard
+    """
+
+    def __init__(self, decisive_steps: int = DECISIVE_STEPS):
+        self.decisive_steps = decisive_steps
+        self.weights: dict[int, list[Optional[float]]] = {}
+        self.tokens: dict[int, list[Optional[float]]] = {}
+
+    def add(self, step: int, weights: Sequence[Optional[float]], tokens: Optional[Sequence[Optional[float]]]) -> Optional[AuditOutcome]:
+        """Record a step; the audit's failure once it has judged ``decisive_steps`` steps, else None."""
+        self.weights[step] = list(weights)
+        if tokens is not None:
+            self.tokens[step] = [float(n) if n is not None else None for n in tokens]
+        outcome = loss_weight_audit(self.weights, self.tokens)
+        if outcome.passed or outcome.details.get("steps_judged", 0) < self.decisive_steps:
+            return None
+        return outcome
+
+
 def _ratios(table: Mapping[int, Sequence[float]], tolerance: float = TOLERANCE) -> tuple[list[list[float]], list[int]]:
     """Per rank, its value over the step's median in each step; and the ranks whose ratio is not constant.
 

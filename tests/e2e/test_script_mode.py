@@ -239,15 +239,20 @@ def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tin
 
 def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(tiny_llama, tmp_path):
     # TRL divides by a token count over every rank, so each rank's weight is N_rank / N_all: judged per token.
+    # Fail fast stops the probe once 4 steps are judged; their weights arrive a step late, so after 5 of its 12 steps.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("trl_sft", out, tiny_llama, tmp_path / "loss.jsonl", steps=4,
+    done = run_cli(*probe_args("trl_sft", out, tiny_llama, tmp_path / "loss.jsonl", steps=12,
                                script_args=("--loss-scale-rank", "1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((out / "verdict.json").read_text())
     failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
     assert failed == {"audit.loss_weight": [1]}, failed
-    message = json.loads((out / "result.json").read_text())["audits"]["loss_weight"]["message"]
+    result = json.loads((out / "result.json").read_text())
+    message = result["audits"]["loss_weight"]["message"]
     assert message.startswith("rank 1's loss enters its backward with 1.5x the weight per token of ranks 0, 2-3's"), message
+    stop = result["stopped_early"]
+    assert (stop["step"], stop["check"], result["steps_completed"]) == (3, "loss_weight", 5), (stop, result["steps_completed"])
+    assert stop["message"].startswith("rank 1's loss enters its backward with 1.5x") and "in each of 4 steps" in stop["message"]
 
 
 def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(tiny_llama, tmp_path):

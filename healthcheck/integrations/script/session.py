@@ -42,6 +42,7 @@ from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.fail_fast import FailFast
+from healthcheck.judge.loss_weight import LossWeightWatch
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.evidence import AuditRecorder
 
@@ -92,6 +93,7 @@ class ScriptSession:
         self._train_started = 0.0
         self._last_post = time.perf_counter()
         self._pending_lr: dict[int, Optional[float]] = {}
+        self._loss_weights = LossWeightWatch()
         self._handles: list[Any] = []
         self._patches: Any = None
 
@@ -274,6 +276,10 @@ class ScriptSession:
         self.hooks.on_metrics(metrics.step, metrics, self._pending_lr.pop(metrics.step, None))
         # Every rank sees the same gathered metrics, so all stop after the same step.
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
+        weights = metrics.per_rank_extras.get("loss_weight")
+        if weights is not None and self.fail_fast.policy.enabled:
+            outcome = self._loss_weights.add(metrics.step, weights, metrics.per_rank_tokens)
+            self.fail_fast.judge(metrics.step, {"loss_weight": outcome} if outcome is not None else {})
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer):

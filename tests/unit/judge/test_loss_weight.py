@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from healthcheck.judge.loss_weight import loss_weight_audit
+from healthcheck.judge.loss_weight import DECISIVE_STEPS, LossWeightWatch, loss_weight_audit
 
 
 def _weights(world: int, steps: int, scaled: dict[int, float] | None = None, jitter: float = 1e-7, seed: int = 0):
@@ -72,3 +72,33 @@ def test_too_few_steps_with_every_rank_known_is_not_measured():
     outcome = loss_weight_audit(weights)
     assert outcome.passed and not outcome.measured and outcome.message.startswith("not measured: 1 step(s)")
     assert not loss_weight_audit({}).measured
+
+
+@pytest.mark.parametrize("rank", [0, 2, 5])
+def test_the_watch_stops_on_a_constant_scale_only_after_enough_judged_steps(rank):
+    weights = _weights(6, 8, {rank: 0.5})
+    watch = LossWeightWatch()
+    decided = [watch.add(s, weights[s], None) for s in range(8)]
+    assert decided[:DECISIVE_STEPS - 1] == [None] * (DECISIVE_STEPS - 1)
+    outcome = decided[DECISIVE_STEPS - 1]
+    assert outcome is not None and outcome.ranks == (rank,) and f"in each of {DECISIVE_STEPS} steps" in outcome.message
+    # A step whose weights are not all known is not judged, so it does not count toward the decision.
+    late = LossWeightWatch()
+    assert late.add(0, [1.0, None, 2.0], None) is None
+    assert [late.add(s, [1.0, 1.0, 2.0], None) is None for s in range(1, DECISIVE_STEPS + 1)] == [True] * (DECISIVE_STEPS - 1) + [False]
+
+
+def test_the_watch_never_stops_clean_ranks_or_weights_that_follow_the_data():
+    clean, watch = _weights(4, 12), LossWeightWatch()
+    assert all(watch.add(s, clean[s], None) is None for s in range(12))
+    weights, tokens = _global_count(12, {})
+    rng = random.Random(4)
+    tokens = {s: [n * rng.uniform(0.8, 1.2) for n in row] for s, row in tokens.items()}
+    watch = LossWeightWatch()
+    assert all(watch.add(s, weights[s], tokens[s]) is None for s in range(12))
+    # A count over every rank, judged per token: a scaled rank stops the probe as a plain one does.
+    weights, tokens = _global_count(12, {3: 2.0})
+    watch = LossWeightWatch()
+    decided = [watch.add(s, weights[s], tokens[s]) for s in range(12)]
+    assert decided.index(next(d for d in decided if d is not None)) == DECISIVE_STEPS - 1
+    assert decided[DECISIVE_STEPS - 1].ranks == (3,)
