@@ -11,7 +11,8 @@ after init_process_group), ``loss-x2-rank=R`` (rank R multiplies its loss by 2),
 computes a validation loss before training and leaves the model in eval mode), ``dropout-rank=R`` (rank R
 loads the model with attention dropout 0.1, as a per-node config override would), ``label-smoothing-rank=R``
 (rank R's loss has label smoothing 0.1, the same kind of override), ``norm-eps-rank=R`` (rank R loads the model
-with ``rms_norm_eps=1e-5``, as a node whose copy of config.json is another revision would), ``stale-data-rank=R`` (rank R's copy of the
+with ``rms_norm_eps=1e-5``, as a node whose copy of config.json is another revision would), ``batch-size-rank=R``
+(rank R's DataLoader takes 2 more samples per batch, as a per-node batch-size override would), ``stale-data-rank=R`` (rank R's copy of the
 data file lacks its first row: same length, other samples at each index), ``no-eos-rank=R`` (rank R's collate
 drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would),
 ``matmul-medium-rank=R`` (rank R calls ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch
@@ -145,8 +146,8 @@ def main():
                     help="datasets.distributed.split_dataset_by_node and a shuffled loader instead of a DistributedSampler")
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
-                         "label-smoothing-rank=R, norm-eps-rank=R, stale-data-rank=R, no-eos-rank=R, matmul-medium-rank=R or slow-rank=R; "
-                         "several separated by commas")
+                         "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
+                         "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     args = ap.parse_args()
 
     ddp_setup()
@@ -181,7 +182,8 @@ def main():
         sampler = DistributedSampler(ds, seed=rank)
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
-    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
+    batch_size = args.batch_size + 2 if faulted("batch-size-rank") else args.batch_size
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=False, sampler=sampler,
                         collate_fn=make_collate(tok.pad_token_id, drop_eos=faulted("no-eos-rank")))
     if faulted("eval-pass-rank"):
         model.eval()  # a validation loss before training, and no model.train() after it

@@ -5,6 +5,8 @@ torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 -
 `--torch-compile-backend aot_eager` (or `inductor`) trains with `TrainingArguments(torch_compile=True)`;
 `--gradient-checkpointing reentrant` with activation checkpointing as older scripts set it (`use_reentrant=True`);
 `--label-smoothing 0.1` sets `label_smoothing_factor` (the Trainer then computes the loss with its `LabelSmoother`).
+`--accum-rank R`: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node
+`gradient_accumulation_steps` override; DDP's all-reduces still pair up, one per update).
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
 its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
 (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("--torch-compile-backend", default=None,
                     help="TrainingArguments(torch_compile=True) with this backend (e.g. aot_eager, inductor)")
     ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
+    ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -87,7 +90,7 @@ def main():
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf_trainer_"),
         per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=4 if int(os.environ.get("RANK", 0)) == args.accum_rank else 2,
         max_steps=args.steps,
         logging_steps=1,
         learning_rate=1e-3,

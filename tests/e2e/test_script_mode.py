@@ -131,9 +131,10 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
          {"audit.seeds": {1}, "audit.environment": {0, 3}, "audit.data_shards": {2}}),
         # A sampler seeded per rank; a rank left in eval mode by a validation pass; a loss setting on one rank (near the
         # uniform distribution, label smoothing barely moves the statistics); a rank whose model config is another
-        # revision (the same parameters, another function: only the replay noticed it, and blamed the device).
-        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1,norm-eps-rank=2", STEPS,
-         {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1, 2}}),
+        # revision (the same parameters, another function: only the replay noticed it, and blamed the device); a rank
+        # with its own batch size (its DistributedSampler shard is still disjoint: only the loader's setting shows it).
+        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1,norm-eps-rank=2,batch-size-rank=3", STEPS,
+         {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1, 2, 3}}),
         # Judged after the run, over its steps (--no-fail-fast). Exact: the backward hands rank 3's loss twice the others'
         # gradient (judge/loss_weight.py; the gradient norms' outlier test needed 12 steps). Rank 2 is slow after its
         # backward: the others wait for it in the next forward's buffer broadcast and in the script's logging all-reduce;
@@ -172,6 +173,7 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
                     "dropout-rank": ["model.config.attention_dropout", "model.dropout"],
                     "label-smoothing-rank": ["loss.label_smoothing"],
                     "norm-eps-rank": ["model.config.rms_norm_eps", "model.modules.LlamaRMSNorm"],
+                    "batch-size-rank": ["data.batch_size"],
                     # "medium" lowers every backend's fp32 matmul that has no precision of its own: cuBLAS and oneDNN
                     "matmul-medium-rank": ["fp32_precision.cuda.matmul", "fp32_precision.mkldnn.matmul"]}
         named = [s for bug in bugs.split(",") for s in settings.get(bug.partition("=")[0], [])]
@@ -235,6 +237,20 @@ def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tin
         ranks = [r for r in rows if r["step"] == step]
         rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
         assert rebuilt == pytest.approx(own[step + 1], rel=1e-4), (step, rebuilt, own)
+
+
+def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(tiny_llama, tmp_path):
+    # Rank 1 runs 4 micro-batches per update, the others 2: DDP's all-reduces pair up (one per update), the Trainer
+    # divides by a token count over every rank, so the loss weights per token agree, and the shards stay disjoint.
+    # It passed every audit; only the number of training forwards before the first update shows it.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=3, script_args=("--accum-rank", "1")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_early"]["check"] == "environment" and result["steps_completed"] == 0, result["stopped_early"]
+    assert result["audits"]["environment"]["message"] == "train.forwards_in_step_0 differs: ranks 0, 2-3 2; rank 1 4"
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]} == {"audit.environment": [1]}
 
 
 def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(tiny_llama, tmp_path):

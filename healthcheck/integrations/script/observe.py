@@ -36,6 +36,7 @@ class LoaderRecord:
     plan: Optional[SamplerPlan]
     dataset_digest: Optional[str] = None
     batch_facts: dict[str, str] = dataclasses.field(default_factory=dict)
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)  #: :func:`loader_settings`
     epochs_started: int = 0
     batches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
@@ -71,6 +72,7 @@ class LoaderRecorder:
                 batch_facts=batch_facts(
                     dataset, getattr(iterator, "_collate_fn", None), getattr(iterator, "_auto_collation", True)
                 ),
+                settings=loader_settings(index_sampler),
             )
         epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
         if epoch is None:
@@ -84,6 +86,25 @@ class LoaderRecorder:
         """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
         fetch few or none within a probe's steps)."""
         return max(self.loaders.values(), key=lambda r: r.samples, default=None)
+
+
+def loader_settings(index_sampler: Any) -> dict[str, str]:
+    """``data.batch_size`` and ``data.drop_last`` of a DataLoader's index sampler (a ``BatchSampler``, accelerate's
+    ``BatchSamplerShard``), where it has them. A rank with its own per-device batch size reads the plan's order
+    faster and weighs its samples otherwise; no shard, seed or parameter shows it. A sampler that sizes its
+    batches by their tokens has no ``batch_size`` and is not compared.
+
+    >>> import torch
+    >>> loader = torch.utils.data.DataLoader(range(10), batch_size=4)
+    >>> loader_settings(loader.batch_sampler)
+    {'data.batch_size': '4', 'data.drop_last': 'False'}
+    """
+    settings = {}
+    for name in ("batch_size", "drop_last"):
+        value = getattr(index_sampler, name, None)
+        if isinstance(value, (bool, int)):
+            settings[f"data.{name}"] = str(value)
+    return settings
 
 
 def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:
@@ -284,6 +305,22 @@ def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankI
         sampler_replicas=plan.num_replicas if plan else None,
         precision=facts.get("precision", "unknown"),
     ), device
+
+
+def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loader: Optional[LoaderRecord], forwards: int) -> dict[str, str]:
+    """What a rank trains with, for the environment audit, read at its first optimizer step: the model's dtype
+    and settings at its first training forward, the optimizer, the data-parallel wrapper, the training
+    loader's batch size, and ``train.forwards_in_step_0``, the training forwards before that step (a rank with
+    its own gradient accumulation runs another number of micro-batches per update, and its data counts
+    otherwise; DDP's all-reduces still pair up, one per update, so nothing else notices)."""
+    return {
+        "model_dtype": first_forward.get("model_dtype", "unknown"),
+        **first_forward.get("module", {}),
+        **optimizer_facts(optimizer),
+        **wrapper_facts(model),
+        "train.forwards_in_step_0": str(forwards),
+        **(loader.settings if loader else {}),
+    }
 
 
 def optimizer_facts(optimizer: Any) -> dict[str, str]:

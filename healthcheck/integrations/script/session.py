@@ -94,6 +94,7 @@ class ScriptSession:
         self._last_post = time.perf_counter()
         self._pending_lr: dict[int, Optional[float]] = {}
         self._loss_weights = LossWeightWatch()
+        self._forwards_before_update = 0
         self._handles: list[Any] = []
         self._patches: Any = None
 
@@ -142,7 +143,7 @@ class ScriptSession:
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
-        self._handles.append(ddp.module.register_forward_pre_hook(eager(self._first_training_forward)))
+        self._handles.append(ddp.module.register_forward_pre_hook(eager(self._training_forward)))
         self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
@@ -186,7 +187,9 @@ class ScriptSession:
         self.audit = AuditRecorder(
             module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self.fsdp.pre_shard
         )
-        self._first_training_forward(module, args)
+        # The root's later forwards, counted as DDP's are (this one's hooks are already running).
+        self._handles.append(module.register_forward_pre_hook(eager(self._training_forward)))
+        self._training_forward(module, args)
 
     def _stop_before_sharding(self, module: Any, outcome: AuditOutcome) -> None:
         """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
@@ -222,10 +225,15 @@ class ScriptSession:
     def on_fetch(self, iterator: Any, indices: Any) -> None:
         self.loaders.on_fetch(iterator, indices)
 
-    def _first_training_forward(self, module: Any, args: Any) -> None:
+    def _training_forward(self, module: Any, args: Any) -> None:
+        """A forward of the trained model with autograd on: the first one's facts; how many ran before the update."""
         import torch
 
-        if self.first_forward is None and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return
+        if self.steps_done == 0:
+            self._forwards_before_update += 1
+        if self.first_forward is None:
             self.first_forward = observe.first_forward_facts(module)
 
     # ------------------------------------------------------------------ the step boundary
@@ -313,19 +321,11 @@ class ScriptSession:
         """At the first step: what every rank trains with, gathered once (a collective)."""
         assert self.audit is not None
         facts = self.first_forward or {}
-        self.audit.extra.update(
-            {
-                "model_dtype": facts.get("model_dtype", "unknown"),
-                **facts.get("module", {}),
-                **observe.optimizer_facts(optimizer),
-                **self.capture.loss_settings(),
-                **observe.wrapper_facts(self.model),
-                **self.clips.facts(),
-            }
-        )
+        loader = self.loaders.training_loader()
+        start = observe.start_facts(facts, optimizer, self.model, loader, self._forwards_before_update)
+        self.audit.extra.update({**start, **self.capture.loss_settings(), **self.clips.facts()})
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
-        loader = self.loaders.training_loader()
         plan = loader.plan if loader else None
         rank_info, device = observe.rank_info(facts, plan)
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and
