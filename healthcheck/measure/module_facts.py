@@ -76,7 +76,7 @@ def module_facts(model: Any) -> dict[str, str]:
     if isinstance(kernel, str):
         facts["model.attn_implementation"] = kernel
     if config is not None:
-        facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(config.to_dict())})
+        facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(_settings_of(config))})
     facts.update(module_settings(named))
     return facts
 
@@ -93,13 +93,31 @@ def module_settings(named: list[tuple[str, Any]]) -> dict[str, str]:
     """
     settings: dict[str, Counter[str]] = {}
     for _, module in named:
-        text = _DEVICE_INDEX.sub(r"\1:N", module.extra_repr())
+        text = _DEVICE_INDEX.sub(r"\1:N", _repr_of(module))
         if text:
             settings.setdefault(type(module).__name__, Counter())[text] += 1
     return {
         f"model.modules.{kind}": _shown(" | ".join(f"{count}x {text}" for text, count in sorted(seen.items())))
         for kind, seen in sorted(settings.items())
     }
+
+
+# A fact that cannot be read is left out rather than ending the probe: these settings are one check among many.
+_UNREADABLE = (AttributeError, RuntimeError, TypeError, ValueError)
+
+
+def _settings_of(config: Any) -> dict[str, Any]:
+    try:
+        return dict(config.to_dict())
+    except _UNREADABLE:
+        return {}
+
+
+def _repr_of(module: Any) -> str:
+    try:
+        return str(module.extra_repr())
+    except _UNREADABLE:
+        return ""
 
 
 def _transformers_config(named: list[tuple[str, Any]]) -> Any:
