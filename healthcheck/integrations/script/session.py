@@ -287,7 +287,8 @@ class ScriptSession:
         weights = metrics.per_rank_extras.get("loss_weight")
         if weights is not None and self.fail_fast.policy.enabled:
             outcome = self._loss_weights.add(metrics.step, weights, metrics.per_rank_tokens)
-            self.fail_fast.judge(metrics.step, {"loss_weight": outcome} if outcome is not None else {})
+            if outcome is not None:
+                self.fail_fast.judge(metrics.step, {"loss_weight": outcome})
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer):
