@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,15 +46,30 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` lies inside that range, where the kernel may pick it again as the source port of the
+    client agent's connect and so connect the socket to itself before the host agent listens: CI once lost the
+    rendezvous store that way or in the bind race below ("Failed to recv, got 0 bytes").
+    """
+    low, _ = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
-def agent_command(port: int, run_id: str, out: Path) -> list[str]:
+def agent_command(port: int, run_id: str, out: Path, is_host: bool) -> list[str]:
+    # Naming the host explicitly, as each node's hostname does on a cluster: on one machine both agents match
+    # "localhost", race to bind the store, and the loser falls back to a client.
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--nproc_per_node", str(NPROC_PER_NODE),
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", run_id,
+        "--rdzv_conf", f"is_host={int(is_host)}",
         "-m", "healthcheck", "probe", "--out", str(out), *PROBE_ARGS,
     ]
 
@@ -84,7 +100,7 @@ def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tupl
             for name in AGENTS:
                 log = logs.enter_context(open(tmp_path / f"agent-{name}.log", "w"))
                 agents.append(subprocess.Popen(
-                    agent_command(port, run_id, out), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                    agent_command(port, run_id, out, is_host=name == AGENTS[0]), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                     env={**base_env, AGENT_VARIABLE: name}, start_new_session=True,
                 ))
             deadline = time.monotonic() + timeout_s
@@ -100,8 +116,8 @@ def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tupl
 def test_two_agents_form_one_four_rank_probe(tmp_path):
     out = tmp_path / "run"
     agents = run_agents(tmp_path, out)
-    for returncode, log in agents:
-        assert returncode == 0, log[-3000:]
+    logs = "\n".join(f"--- agent {name} (exit {code}) ---\n{log[-2500:]}" for name, (code, log) in zip(AGENTS, agents))
+    assert [code for code, _ in agents] == [0, 0], logs
 
     result = load_result(out)  # validates result.json against RunResult
     assert result.status == "complete" and result.failure is None
