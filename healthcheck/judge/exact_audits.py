@@ -42,6 +42,11 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     numbers as the padded batch has elements, and that shape differs between ranks by design.
     python and numpy states after the first step are judged (training draws nothing from them).
 
+    A torch or CUDA state that differs at the start while every rank's ``torch_seed`` agrees is reported, not
+    judged: that rank drew another count of numbers since seeding (a data-loader iterator or a sanity loss run on
+    rank 0 alone), which changes its dropout masks, no more than any two ranks' batches already differ. Under DDP
+    the parameters it may have initialised are broadcast from rank 0. A rank with another seed still fails.
+
     ``entropy_seeded`` names generators that start from OS entropy unless the code seeds them
     (python's and numpy's, in a script healthcheck did not seed). When their states differ on *every*
     rank, the script never seeded them: that is reported, not judged. Some ranks sharing a state
@@ -72,6 +77,9 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
             if generator in entropy_seeded and len(groups) == world and world > 1:
                 details.setdefault("unseeded", []).append(generator)
                 continue
+            if len(groups) > 1 and when == "rng_start" and generator in ("torch", "cuda") and "torch_seed" in fields:
+                details.setdefault("drawn_apart", []).append(f"{generator} {partition_signature(groups)}")
+                continue
             if len(groups) > 1:
                 moment = "after seeding" if when == "rng_start" else "after the first step"
                 shared = f"{ranks_phrase(everyone)} share seed {ranks[0]['seed']}, but" if "seed" in fields else ""
@@ -83,7 +91,11 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     seed = f"seed {ranks[0]['seed']}" if "seed" in fields and ranks else "their seeds"
     unseeded = sorted(set(details.get("unseeded", ())))
     note = f" ({' and '.join(unseeded)} never seeded by the code: not judged)" if unseeded else ""
-    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed} and identical RNG states after seeding{note}", "shared", (), details)
+    states = " and identical RNG states after seeding"
+    if details.get("drawn_apart"):
+        states = (f"; their RNG states at the first training forward differ ({', '.join(details['drawn_apart'])}) under the "
+                  "same torch seed: a rank drew more numbers before it, which changes its dropout masks only (not judged)")
+    return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed}{states}{note}", "shared", (), details)
 
 
 # --------------------------------------------------------------------------- 3. parameter equality

@@ -19,6 +19,9 @@ drops each sample's last token, the EOS, as a per-node tokenizer config without 
 config adds: bf16 matmuls in oneDNN, TF32 in cuBLAS) and ``slow-rank=R``
 (rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
+
+``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
+loader and prints a sanity loss of the unwrapped model in eval mode, without ``no_grad``, before training.
 """
 
 import argparse
@@ -114,6 +117,14 @@ class Trainer:
         dist.all_reduce(stats)
         return (stats[0] / stats[1]).item()
 
+    def look_first(self):
+        """A sanity loss on one batch before training (the iterator draws a seed from torch's generator)."""
+        self.model.module.eval()
+        input_ids, attn, labels = next(iter(self.train_data))
+        loss = self.model.module(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        print(f"[GPU{self.rank}] sanity loss before training {loss.item():.4f}", flush=True)
+        self.model.module.train()
+
     def train(self):
         epoch = 0
         while self.step < self.max_steps:
@@ -148,6 +159,7 @@ def main():
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
+    ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     args = ap.parse_args()
 
     ddp_setup()
@@ -196,7 +208,10 @@ def main():
     loss_scale = 2.0 if faulted("loss-x2-rank") else 1.0
     pause_s = 0.05 if faulted("slow-rank") else 0.0
     smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
-    Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing).train()
+    trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing)
+    if rank == args.look_first_rank:
+        trainer.look_first()
+    trainer.train()
     destroy_process_group()
 
 

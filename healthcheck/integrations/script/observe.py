@@ -1,14 +1,15 @@
 """What a training script reveals about itself while it runs, recorded for the audits.
 
 * :class:`LoaderRecorder`: the sample indices every DataLoader fetched, per epoch (a new iterator is a
-  new epoch), and the DistributedSampler behind them when there is one. Fetches run ahead of the
+  new epoch, unless it was a peek: see :meth:`LoaderRecorder.on_fetch`), and the DistributedSampler behind them
+  when there is one. Fetches run ahead of the
   forwards (prefetching, accelerate's look-ahead), so what is recorded is a prefix that covers what was
   trained on: enough for overlap, order and coverage, which the audits judge on prefixes. At a loader's first
   fetch, a digest of its dataset (:func:`dataset_digest`) and what its ``collate_fn`` makes of the same three
   samples (:func:`batch_facts`), which every rank must share.
 * :func:`first_forward_facts`: RNG state hashes, the torch seed, the precision and the model's settings outside
-  its parameters (:mod:`healthcheck.measure.module_facts`) at the first training forward, before any randomness
-  of training was drawn.
+  its parameters (:mod:`healthcheck.measure.module_facts`) at the first training forward (the first one
+  backwarded, :mod:`.forwards`), before any randomness of training was drawn.
 * :func:`optimizer_facts` / :func:`wrapper_facts`: settings every rank must share, for the environment audit.
 """
 
@@ -39,6 +40,14 @@ class LoaderRecord:
     settings: dict[str, str] = dataclasses.field(default_factory=dict)  #: :func:`loader_settings`
     epochs_started: int = 0
     batches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    epoch_started_at: int = 0  #: the optimizer steps done when the newest iterator started
+    peeks: int = 0  #: iterators left out as peeks (:meth:`LoaderRecorder.on_fetch`)
+
+    def drop_epochs_from(self, epoch: int) -> None:
+        """Forget the iterators numbered ``epoch`` and later: they were peeks, and the next epoch reuses the number."""
+        self.batches = [(e, ids) for e, ids in self.batches if e < epoch]
+        self.peeks += self.epochs_started - epoch
+        self.epochs_started = epoch
 
     @property
     def samples(self) -> int:
@@ -50,8 +59,18 @@ class LoaderRecorder:
 
     def __init__(self) -> None:
         self.loaders: dict[int, LoaderRecord] = {}
+        self.steps = 0  #: optimizer steps done, kept by the session
 
     def on_fetch(self, iterator: Any, indices: Any) -> None:
+        """Record one batch of indices under its iterator's epoch.
+
+        A script may take a batch to look at (``next(iter(loader))`` for a sample, a shape, a sanity loss) before
+        or between its epochs. That iterator replays the sampler's current order, so counted as an epoch it would
+        read as "epoch 1 repeats epoch 0" (a missing ``set_epoch``) on a rank that trains consistently. It is left
+        out when no optimizer step ran between its start and the next iterator's, or when an older iterator
+        fetches again after it started (training went on where it was). An iterator made afresh for every step
+        (``next(iter(loader))`` as the training loop) is an epoch per step, as it should be: it repeats the order.
+        """
         if indices is None:  # an IterableDataset: nothing to index
             return
         index_sampler = getattr(iterator, "_index_sampler", None)
@@ -76,9 +95,13 @@ class LoaderRecorder:
             )
         epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
         if epoch is None:
-            epoch = record.epochs_started
+            if record.epochs_started and record.epoch_started_at == self.steps and not _went_through(record, index_sampler):
+                record.drop_epochs_from(record.epochs_started - 1)
+            epoch, record.epoch_started_at = record.epochs_started, self.steps
             record.epochs_started += 1
             setattr(iterator, _EPOCH_ATTRIBUTE, epoch)
+        elif epoch < record.epochs_started - 1:
+            record.drop_epochs_from(epoch + 1)
         ids = indices.tolist() if hasattr(indices, "tolist") else indices
         record.batches.append((epoch, [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]))
 
@@ -86,6 +109,17 @@ class LoaderRecorder:
         """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
         fetch few or none within a probe's steps)."""
         return max(self.loaders.values(), key=lambda r: r.samples, default=None)
+
+
+def _went_through(record: LoaderRecord, index_sampler: Any) -> bool:
+    """True when the newest iterator fetched a whole epoch (an epoch shorter than an accumulation window is
+    one, though no step ran); unknown lengths count as not."""
+    try:
+        length = len(index_sampler)
+    except TypeError:
+        return False
+    newest = record.epochs_started - 1
+    return sum(1 for epoch, _ in record.batches if epoch == newest) >= length
 
 
 def loader_settings(index_sampler: Any) -> dict[str, str]:
@@ -310,7 +344,8 @@ def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankI
 def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loader: Optional[LoaderRecord], forwards: int) -> dict[str, str]:
     """What a rank trains with, for the environment audit, read at its first optimizer step: the model's dtype
     and settings at its first training forward, the optimizer, the data-parallel wrapper, the training
-    loader's batch size, and ``train.forwards_in_step_0``, the training forwards before that step (a rank with
+    loader's batch size, and ``train.forwards_in_step_0``, the forwards backwarded before that step
+    (:mod:`.forwards`; a rank with
     its own gradient accumulation runs another number of micro-batches per update, and its data counts
     otherwise; DDP's all-reduces still pair up, one per update, so nothing else notices)."""
     return {

@@ -31,10 +31,10 @@ from typing import Any, Callable, ContextManager, Optional
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
+from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.shard_agreement import sharding_facts
@@ -83,7 +83,7 @@ class ScriptSession:
         self.steps_done = 0
         self.complete = False
         self.report: Optional[WorkerReport] = None
-        self.first_forward: Optional[dict[str, Any]] = None
+        self.forwards = TrainingForwards(observe.first_forward_facts)
         self._param_ids: set[int] = set()
         self._registering = False
         self._depth = 0
@@ -94,7 +94,6 @@ class ScriptSession:
         self._last_post = time.perf_counter()
         self._pending_lr: dict[int, Optional[float]] = {}
         self._loss_weights = LossWeightWatch()
-        self._forwards_before_update = 0
         self._handles: list[Any] = []
         self._patches: Any = None
 
@@ -143,7 +142,7 @@ class ScriptSession:
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
-        self._handles.append(ddp.module.register_forward_pre_hook(eager(self._training_forward)))
+        self._handles += self.forwards.attach(ddp.module)
         self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
@@ -187,9 +186,10 @@ class ScriptSession:
         self.audit = AuditRecorder(
             module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self.fsdp.pre_shard
         )
-        # The root's later forwards, counted as DDP's are (this one's hooks are already running).
-        self._handles.append(module.register_forward_pre_hook(eager(self._training_forward)))
-        self._training_forward(module, args)
+        # The root's forwards, counted as DDP's are. This one's pre-hooks are already running; its forward hooks,
+        # read after the forward, include the one added here.
+        self._handles += self.forwards.attach(module)
+        self.forwards.before(module, args)
 
     def _stop_before_sharding(self, module: Any, outcome: AuditOutcome) -> None:
         """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
@@ -224,17 +224,6 @@ class ScriptSession:
 
     def on_fetch(self, iterator: Any, indices: Any) -> None:
         self.loaders.on_fetch(iterator, indices)
-
-    def _training_forward(self, module: Any, args: Any) -> None:
-        """A forward of the trained model with autograd on: the first one's facts; how many ran before the update."""
-        import torch
-
-        if not torch.is_grad_enabled():
-            return
-        if self.steps_done == 0:
-            self._forwards_before_update += 1
-        if self.first_forward is None:
-            self.first_forward = observe.first_forward_facts(module)
 
     # ------------------------------------------------------------------ the step boundary
 
@@ -307,6 +296,7 @@ class ScriptSession:
                 ),
             )
         self.steps_done += 1
+        self.loaders.steps = self.steps_done
         if self._keeper is not None:
             self._keeper.reset()
         if self.steps_done >= self.config.train.steps or self.fail_fast.stop is not None:
@@ -321,9 +311,9 @@ class ScriptSession:
     def _start(self, optimizer: Any) -> None:
         """At the first step: what every rank trains with, gathered once (a collective)."""
         assert self.audit is not None
-        facts = self.first_forward or {}
+        facts = self.forwards.stop()
         loader = self.loaders.training_loader()
-        start = observe.start_facts(facts, optimizer, self.model, loader, self._forwards_before_update)
+        start = observe.start_facts(facts, optimizer, self.model, loader, self.forwards.count)
         self.audit.extra.update({**start, **self.capture.loss_settings(), **self.clips.facts()})
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]

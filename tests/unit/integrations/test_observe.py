@@ -181,3 +181,69 @@ def test_a_loaders_first_fetch_records_its_batch_facts():
         patches.restore()
     (record,) = session.loaders.loaders.values()
     assert sorted(record.batch_facts) == ["[0]", "[1]"] and record.batch_facts["[0]"].startswith("int64[3] ")
+
+
+def _epochs(session):
+    record = session.loaders.training_loader()
+    return [(epoch, ids) for epoch, ids in record.batches], record
+
+
+def _step(session):
+    session.loaders.steps += 1
+
+
+def test_a_batch_taken_to_look_at_before_training_is_no_epoch():
+    """``next(iter(loader))`` for a sample or a sanity loss replays the order; counted, it reads as epoch 1
+    repeating epoch 0 (a missing set_epoch) on a rank that trains consistently."""
+    session = Session()
+    loader = DataLoader(list(range(12)), batch_size=2)
+    patches = install(session)
+    try:
+        next(iter(loader))
+        for _ in loader:
+            _step(session)
+        for _ in loader:  # a second epoch: steps ran since the first started
+            _step(session)
+    finally:
+        patches.restore()
+    batches, record = _epochs(session)
+    assert [epoch for epoch, _ in batches] == [0] * 6 + [1] * 6
+    assert record.epochs_started == 2 and record.peeks == 1
+
+
+def test_a_batch_taken_between_steps_is_dropped_when_training_goes_on_with_the_older_iterator():
+    session = Session()
+    loader = DataLoader(list(range(12)), batch_size=2)
+    patches = install(session)
+    try:
+        training = iter(loader)
+        next(training)
+        _step(session)
+        next(iter(loader))  # an evaluation that borrows a training batch
+        for _ in training:
+            _step(session)
+    finally:
+        patches.restore()
+    batches, record = _epochs(session)
+    assert batches == [(0, [0, 1]), (0, [2, 3]), (0, [4, 5]), (0, [6, 7]), (0, [8, 9]), (0, [10, 11])]
+    assert record.epochs_started == 1 and record.peeks == 1
+
+
+def test_an_iterator_per_step_and_a_whole_epoch_without_a_step_stay_epochs():
+    """The first repeats its order every step (a bug the shard audit must see); the second is an accumulation
+    window longer than the epoch."""
+    session = Session()
+    loader = DataLoader(list(range(8)), batch_size=2, shuffle=False)
+    patches = install(session)
+    try:
+        for _ in range(3):
+            next(iter(loader))
+            _step(session)
+        short = DataLoader(list(range(4)), batch_size=2)
+        for _ in range(2):
+            list(short)  # two epochs, then one step
+        _step(session)
+    finally:
+        patches.restore()
+    records = sorted(session.loaders.loaders.values(), key=lambda r: r.dataset_size)
+    assert [r.epochs_started for r in records] == [2, 3] and [r.peeks for r in records] == [0, 0]

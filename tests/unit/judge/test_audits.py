@@ -166,6 +166,22 @@ def test_shared_seeds_pass_although_torch_states_differ_after_a_step():
     assert outcome.message == "ranks 0-3 share seed 42 and identical RNG states after seeding"
 
 
+def test_a_torch_state_drawn_apart_under_a_shared_seed_is_reported_and_another_seed_still_fails():
+    """A rank-0 sanity loss or data peek draws from torch's generator before training: same seed, other state."""
+    ranks = _ranks([42] * 4)
+    ranks[0]["rng_start"]["torch"] = "drawn"
+    outcome = seed_audit(ranks)
+    assert outcome.passed and outcome.details["drawn_apart"] == ["torch 0|1-3"]
+    assert outcome.message == ("ranks 0-3 share seed 42; their RNG states at the first training forward differ (torch 0|1-3) "
+                               "under the same torch seed: a rank drew more numbers before it, which changes its dropout "
+                               "masks only (not judged)")
+    ranks[0]["torch_seed"] = 7
+    assert seed_audit(ranks).signature == "torch_seed 0|1-3"
+    ranks = _ranks([42] * 4)
+    ranks[0]["rng_start"]["python"] = "drawn"  # python and numpy states are still judged
+    assert not seed_audit(ranks).passed
+
+
 def test_a_diverged_python_rng_is_named():
     ranks = _ranks([42] * 4)
     ranks[2]["rng_after_first_step"]["python"] = "drawn"

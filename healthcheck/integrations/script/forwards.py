@@ -1,0 +1,92 @@
+"""The trained model's forwards before its first update: how many a rank trained on, and what the first ran with.
+
+A forward counts when a gradient flows back through its output. Counting every forward with autograd on would
+also count a sanity loss a script computes on rank 0 only (``model.module(**batch)`` without ``no_grad``), and
+would read that forward's facts: the environment audit would then fail rank 0 for being in eval mode, on a run
+that trains consistently. A rank with its own gradient accumulation still shows: it backwards more forwards.
+
+The facts (:func:`.observe.first_forward_facts`) are read before each forward until one is backwarded, so they
+are those of the first training forward, before its randomness was drawn. Usually that is the first forward:
+its backward runs before the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from healthcheck.integrations.eager import eager
+
+#: How deep the output is searched for tensors (a ModelOutput, a tuple of them, a dict of losses).
+_OUTPUT_DEPTH = 3
+
+
+class TrainingForwards:
+    """Forward hooks on the trained module, counting until the first update (:meth:`stop`).
+
+    Args:
+        read_facts: What to record about a rank before a forward (the module is its argument).
+    """
+
+    def __init__(self, read_facts: Callable[[Any], dict[str, Any]]):
+        self._read_facts = read_facts
+        self.count = 0  #: forwards whose output received a gradient before the first update
+        self.facts: Optional[dict[str, Any]] = None  #: read before the first of them
+        self._pending: Optional[dict[str, Any]] = None
+        self._stopped = False
+
+    def attach(self, module: Any) -> list[Any]:
+        """Hook ``module``'s forwards; returns the handles. The hooks are compiled around, never into."""
+        return [module.register_forward_pre_hook(eager(self.before)), module.register_forward_hook(eager(self.after))]
+
+    def before(self, module: Any, args: Any) -> None:
+        import torch
+
+        if self._stopped or self.facts is not None or not torch.is_grad_enabled():
+            return
+        self._pending = self._read_facts(module)
+
+    def after(self, module: Any, args: Any, output: Any) -> None:
+        import torch
+
+        if self._stopped or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in _tensors(output, _OUTPUT_DEPTH) if t.requires_grad]
+        if not tensors:
+            return
+        facts = self._pending
+        # "any": once per backward through this output, whichever of its tensors the loss came from.
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._backwarded(facts), mode="any")
+
+    def _backwarded(self, facts: Optional[dict[str, Any]]) -> None:
+        if self._stopped:
+            return
+        self.count += 1
+        if self.facts is None:
+            self.facts = facts
+
+    def stop(self) -> dict[str, Any]:
+        """The first update: stop counting. Returns the facts (those of the last forward read when no output was
+        backwarded, as with a model whose outputs need no gradient; empty when no forward ran)."""
+        self._stopped = True
+        return self.facts or self._pending or {}
+
+
+def _tensors(value: Any, depth: int) -> list[Any]:
+    """The tensors in a forward's output, a few containers deep.
+
+    >>> import torch
+    >>> [t.shape[0] for t in _tensors({"loss": torch.zeros(1), "parts": (torch.zeros(2), "x")}, 3)]
+    [1, 2]
+    """
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item, depth - 1)]
+    return []
