@@ -285,6 +285,11 @@ class RankEvidence(Record):
         description="--script: what the training loader's collate_fn makes of the dataset's first, middle and last "
         "samples, per field of the batch (dtype, shape, hash); empty where it could not be made reproducibly.",
     )
+    hints: dict[str, str] = Field(
+        default_factory=dict,
+        description="--script: the hooks on the model's modules at the first training forward (hooks.<type>), never "
+        "judged: they only explain a replay difference (healthcheck.measure.module_hooks).",
+    )
 
 
 class ShardedEvidence(Record):

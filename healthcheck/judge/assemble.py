@@ -28,6 +28,8 @@ from healthcheck.files import read_jsonl
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, odd_ones_out, partition_signature, ranks_phrase
 from healthcheck.judge.exact_audits import (
     SEED_FIELDS,
+    differences_phrase,
+    differing_fields,
     environment_audit,
     nonfinite_audit,
     param_equality_audit,
@@ -88,7 +90,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["reduction_numerics"] = reduction_audit(checked, world)
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
-    outcomes["replay"] = replay_outcome(config, evidence.replay, differ)
+    outcomes["replay"] = replay_outcome(config, evidence.replay, differ, hooks_difference(per_rank))
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
 
 
@@ -148,9 +150,14 @@ def parameter_outcomes(
     }
 
 
-def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence], settings_differ: Sequence[int] = ()) -> AuditOutcome:
+def replay_outcome(
+    config: ProbeConfig,
+    evidence: Optional[ReplayEvidence],
+    settings_differ: Sequence[int] = (),
+    hooks_differ: Optional[AuditOutcome] = None,
+) -> AuditOutcome:
     """The replay audit, or why it was not measured (switched off, FSDP2, a script whose model gives no loss);
-    ``settings_differ``: the ranks the environment audit named (:func:`replay_audit`)."""
+    ``settings_differ`` and ``hooks_differ`` explain a difference (:func:`replay_audit`)."""
     if config.metrics.replay_every == 0:
         return not_measured("metrics.replay_every is 0")
     if evidence is not None and evidence.unavailable:
@@ -162,7 +169,22 @@ def replay_outcome(config: ProbeConfig, evidence: Optional[ReplayEvidence], sett
         )
     if evidence is None:
         return not_measured("the workers recorded no replay")
-    return replay_audit(evidence, settings_differ)
+    return replay_audit(evidence, settings_differ, hooks_differ)
+
+
+def hooks_difference(per_rank: Sequence[RankEvidence]) -> Optional[AuditOutcome]:
+    """The ranks whose modules carry other hooks than the majority's, and which, or None where all agree.
+    Never an audit of its own: a script may hook one rank's model to log (:mod:`healthcheck.measure.module_hooks`).
+
+    >>> evidence = [RankEvidence(hints={"hooks.Embedding": "1x forward noise"} if r == 2 else {}) for r in range(4)]
+    >>> hooks_difference(evidence).ranks
+    (2,)
+    """
+    differing = differing_fields([rank_evidence.hints for rank_evidence in per_rank])
+    if not differing:
+        return None
+    blamed = tuple(sorted({rank for _, groups, _ in differing for rank in odd_ones_out(groups)}))
+    return AuditOutcome(False, differences_phrase(differing), "hooks", blamed)
 
 
 def builtin_shard_audit(

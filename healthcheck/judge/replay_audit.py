@@ -14,7 +14,7 @@ named with how far off it was, and whether a second replay on it reproduced the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 from healthcheck.artifacts import ReplayDifference, ReplayEvidence, ReplayRound
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, partition_signature, rank_span, ranks_phrase
@@ -110,12 +110,16 @@ def split_replays(labels: Sequence[Hashable], device_groups: Sequence[Sequence[i
     return ReplaySplit(groups, references, no_majority)
 
 
-def replay_audit(evidence: ReplayEvidence, settings_differ: Sequence[int] = ()) -> AuditOutcome:
+def replay_audit(
+    evidence: ReplayEvidence, settings_differ: Sequence[int] = (), hooks_differ: Optional[AuditOutcome] = None
+) -> AuditOutcome:
     """Every replay round judged: the first round where a rank disagreed decides, later ones are listed.
 
     ``settings_differ``: the ranks the environment audit named. A rank that runs another config, precision or
     kernel setting computes another gradient on a sound device, so where those explain every odd rank the
-    advice is to fix the settings, not to drain the node.
+    advice is to fix the settings, not to drain the node. ``hooks_differ``: the ranks whose modules carry other
+    hooks (:mod:`healthcheck.measure.module_hooks`) and what differs; where they explain every odd rank, the
+    advice is to check those hooks.
     """
     rounds = evidence.rounds
     if not rounds:
@@ -147,10 +151,17 @@ def replay_audit(evidence: ReplayEvidence, settings_differ: Sequence[int] = ()) 
             )
             return AuditOutcome(False, message, f"no-majority {split}", named, details)
         advice = ADVICE
+        runs = "runs" if len(named) == 1 else "run"
         if set(named) <= set(settings_differ):
             advice = (
-                f"{ranks_phrase(named)} also {'runs' if len(named) == 1 else 'run'} with other settings "
+                f"{ranks_phrase(named)} also {runs} with other settings "
                 f"(audit.environment), which explains a different gradient: fix them before suspecting the device"
+            )
+        elif hooks_differ is not None and set(named) <= set(hooks_differ.ranks):
+            advice = (
+                f"{ranks_phrase(named)} also {runs} other hooks on the model's modules ({hooks_differ.message}), which "
+                "can change what it computes (transformers' NEFTune adds noise to the embeddings through one): "
+                "check them before suspecting the device"
             )
         message = f"{_disagreement(first)}{also} [{mode}]: {advice}"
         return AuditOutcome(False, message, f"differs {rank_span(named)}", named, details)

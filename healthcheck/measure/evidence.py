@@ -61,6 +61,7 @@ class AuditRecorder:
         self.shard_source = "sampler"
         self.dataset_digest: Optional[str] = None
         self.batch_facts: dict[str, str] = {}
+        self.hints: dict[str, str] = {}  #: :mod:`healthcheck.measure.module_hooks`, never judged
         self.loss_problem: Optional[str] = None
         #: The replay audit's evidence (:mod:`healthcheck.run.replay_rounds` fills it; the same on every rank).
         self.replay: Optional[ReplayEvidence] = None
@@ -111,6 +112,7 @@ class AuditRecorder:
             loss_problem=self.loss_problem,
             dataset_digest=self.dataset_digest,
             batch_facts=self.batch_facts,
+            hints=self.hints,
         )
         everyone = hdist.all_gather_objects(local_evidence.model_dump())
         if hdist.rank() != 0:

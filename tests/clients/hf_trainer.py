@@ -7,6 +7,8 @@ torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 -
 `--label-smoothing 0.1` sets `label_smoothing_factor` (the Trainer then computes the loss with its `LabelSmoother`).
 `--accum-rank R`: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node
 `gradient_accumulation_steps` override; DDP's all-reduces still pair up, one per update).
+`--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
+forward hook the Trainer registers), as a per-node launch config that switches it on would.
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
 its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
 (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
@@ -61,6 +63,7 @@ def main():
                     help="TrainingArguments(torch_compile=True) with this backend (e.g. aot_eager, inductor)")
     ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
     ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
+    ap.add_argument("--neftune-rank", type=int, default=-1, help="this rank trains with neftune_noise_alpha=5")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -107,6 +110,7 @@ def main():
         torch_compile=args.torch_compile_backend is not None,
         torch_compile_backend=args.torch_compile_backend,
         label_smoothing_factor=args.label_smoothing,
+        neftune_noise_alpha=5.0 if int(os.environ.get("RANK", 0)) == args.neftune_rank else None,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))

@@ -207,6 +207,20 @@ def test_a_bad_device_is_named_by_the_replay(client, rank, script_args, tiny_lla
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
 
 
+def test_a_trainer_rank_with_neftune_is_not_sent_to_be_drained(tiny_llama, tmp_path):
+    # NEFTune on one rank adds noise to its embeddings through a forward hook: no setting the environment audit reads
+    # differs, and the replay, which alone sees it, advised draining a sound node.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                               script_args=("--neftune-rank", "1")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    verdict = json.loads((out / "verdict.json").read_text())
+    failed = {f["check"]: f for f in verdict["findings"] if not f["passed"]}
+    assert list(failed) == ["audit.replay"] and failed["audit.replay"]["ranks"] == [1], list(failed)
+    message = failed["audit.replay"]["message"]
+    assert "rank 1 1x forward neftune_post_forward_hook" in message and "drain the node" not in message, message
+
+
 @pytest.mark.parametrize(
     "variant",
     [

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from healthcheck.artifacts import RankInfo, SamplerPlan
 from healthcheck.measure.evidence import rng_state_hashes
 from healthcheck.measure.module_facts import module_facts
+from healthcheck.measure.module_hooks import module_hooks
 
 #: Attributes set on the objects themselves: an iterator's epoch, and which loader an index sampler is.
 #: (``id()`` alone is reused once a loader is freed, which would merge two loaders' records.)
@@ -320,6 +321,7 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         "model_dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else "none",
         # Dropout rates, eval-mode modules and the attention kernel, as this forward runs them.
         "module": module_facts(module),
+        "hooks": module_hooks(module),
     }
 
 

@@ -317,6 +317,7 @@ class ScriptSession:
         self.audit.extra.update({**start, **self.capture.loss_settings(), **self.clips.facts()})
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
+        self.audit.hints = dict(facts.get("hooks", {}))
         plan = loader.plan if loader else None
         rank_info, device = observe.rank_info(facts, plan)
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and

@@ -101,6 +101,25 @@ def test_a_rank_whose_settings_differ_is_not_sent_to_be_drained():
     assert ADVICE in replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]), settings_differ=(1,)).message
 
 
+def test_a_rank_with_its_own_module_hooks_is_sent_to_check_them():
+    # transformers' NEFTune on one Trainer rank: a forward hook on the embeddings, no setting the environment reads.
+    from healthcheck.artifacts import RankEvidence
+    from healthcheck.judge.assemble import hooks_difference
+
+    hooks = hooks_difference([RankEvidence(hints={"hooks.Embedding": "1x forward neftune_post_forward_hook"} if r == 2 else {})
+                              for r in range(4)])
+    bad = ReplayRound(step=0, source_rank=3, groups=[[0, 1, 3], [2]], differences=[_difference(2)])
+    outcome = replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]), hooks_differ=hooks)
+    assert not outcome.passed and outcome.ranks == (2,) and ADVICE not in outcome.message
+    assert ("rank 2 also runs other hooks on the model's modules (hooks.Embedding differs: ranks 0-1, 3 <unset>; rank 2 "
+            "1x forward neftune_post_forward_hook)") in outcome.message
+    assert outcome.message.endswith("check them before suspecting the device")
+    # Hooks on rank 0 alone (a script logging activations there) explain nothing about rank 2.
+    rank0 = hooks_difference([RankEvidence(hints={"hooks.Linear": "4x forward log"} if r == 0 else {}) for r in range(4)])
+    assert ADVICE in replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]), hooks_differ=rank0).message
+    assert hooks_difference([RankEvidence(hints={"hooks.Linear": "1x forward log"}) for _ in range(4)]) is None
+
+
 def test_a_transient_difference_still_fails_and_says_so():
     bad = ReplayRound(step=15, source_rank=2, groups=[[0, 1, 2], [3]], differences=[_difference(3, reproduced=False)])
     outcome = replay_audit(_evidence(bad, groups=[(0, 1, 2, 3)]))

@@ -1,0 +1,60 @@
+"""The hooks a script registered on its model's modules: a hint, never judged on its own.
+
+A forward hook can change what a module computes: transformers' NEFTune (``neftune_noise_alpha``) adds noise to
+the input embeddings through one. A Trainer rank with NEFTune switched on among ranks without it shares every
+setting the environment audit reads; only the replay audit saw it, as a rank computing another gradient of the
+same micro-batch, and it advised draining a sound node. Comparing hooks exactly would fail sound runs instead:
+a script may hook rank 0's model alone, to log activations. So the hooks are recorded per rank at the first
+training forward and used only to explain a replay difference (:func:`healthcheck.judge.replay_audit.replay_audit`).
+
+Hooks are named by their function's qualified name and grouped by module type. healthcheck's own hooks are
+left out.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from typing import Any
+
+#: The hook tables of ``nn.Module`` and the kind each holds.
+_TABLES = (
+    ("_forward_pre_hooks", "forward_pre"),
+    ("_forward_hooks", "forward"),
+    ("_backward_pre_hooks", "backward_pre"),
+    ("_backward_hooks", "backward"),
+)
+
+
+def module_hooks(model: Any) -> dict[str, str]:
+    """``hooks.<module type>``: the hooks on the model's modules of that type, with how many modules carry each.
+
+    >>> import torch
+    >>> def add_noise(module, args, output):
+    ...     return output
+    >>> add_noise.__module__ = "train"  # the user's script (a doctest runs in this module, whose hooks are left out)
+    >>> net = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2))
+    >>> _ = net[0].register_forward_hook(add_noise)
+    >>> module_hooks(net)
+    {'hooks.Embedding': '1x forward add_noise'}
+    """
+    per_type: dict[str, Counter[str]] = {}
+    for _, module in model.named_modules():
+        for table, kind in _TABLES:
+            for hook in (getattr(module, table, None) or {}).values():
+                name = _name(hook)
+                if name is not None:
+                    per_type.setdefault(type(module).__name__, Counter())[f"{kind} {name}"] += 1
+    return {
+        f"hooks.{type_name}": ", ".join(f"{count}x {hook}" for hook, count in sorted(counts.items()))
+        for type_name, counts in sorted(per_type.items())
+    }
+
+
+def _name(hook: Any) -> str | None:
+    """The hook's qualified name; None for healthcheck's own (seen through ``torch.compiler.disable``'s wrapper)."""
+    function = inspect.unwrap(getattr(hook, "__func__", hook))
+    module = getattr(function, "__module__", None) or ""
+    if module == "healthcheck" or module.startswith("healthcheck."):
+        return None
+    return getattr(function, "__qualname__", None) or type(function).__name__
