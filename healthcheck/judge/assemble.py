@@ -67,6 +67,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         outcomes["seeds"] = seeds_from_evidence(report.ranks, per_rank, script=config.script is not None)
         outcomes["environment"] = environment_from_evidence(report.ranks, per_rank)
     rows = list(read_jsonl(Path(run_dir) / STEPS_FILE))
+    outcomes["param_equality"] = explained_by_learning_rate(outcomes["param_equality"], rows, world)
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
     metrics = config.metrics
@@ -148,6 +149,37 @@ def parameter_outcomes(
             sharded.pre_shard_names,
         ),
     }
+
+
+def explained_by_learning_rate(params: AuditOutcome, rows: Sequence[dict[str, Any]], world: int) -> AuditOutcome:
+    """``param_equality`` with, where its ranks stepped with another learning rate, the first sampled step at which
+    they did: a per-rank warmup or schedule leaves the first step's optimizer settings equal (warmup starts every
+    rank at 0) and only the parameters show it, a few steps later, as "the parameters differ".
+
+    >>> rows = [{"step": s, "rank": r, "lr": s / (4 if r == 2 else 2)} for s in range(3) for r in range(4)]
+    >>> explained_by_learning_rate(AuditOutcome(False, "rank 2's parameters differ", "x", (2,)), rows, 4).message
+    "rank 2's parameters differ; rank 2 stepped with another learning rate from step 1: ranks 0-1, 3 0.5; rank 2 0.25"
+    """
+    if params.passed or not params.ranks:
+        return params
+    by_step: dict[int, list[Any]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("lr")
+    for step in sorted(by_step):
+        rates = by_step[step]
+        if None in rates:
+            continue
+        groups = group_ranks(rates)
+        if len(groups) == 1:
+            continue
+        odd = odd_ones_out(groups)
+        if not set(odd) <= set(params.ranks):
+            return params
+        values = "; ".join(f"{ranks_phrase(g)} {rates[g[0]]:.6g}" for g in groups)
+        return dataclasses.replace(
+            params, message=f"{params.message}; {ranks_phrase(odd)} stepped with another learning rate from step {step}: {values}"
+        )
+    return params
 
 
 def replay_outcome(

@@ -33,8 +33,9 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     # runq_ms: the run-queue wait busy_ms left out (a CPU host); None where the rank shares cores with other
     # ranks and no clock was read, so busy_ms still holds it (measure/runqueue.py). loss_weight (script mode):
-    # the weight of the rank's loss in its own backward (integrations/loss_weight.py). Each absent where not read.
-    for key in ("runq_ms", "loss_weight"):
+    # the weight of the rank's loss in its own backward (integrations/loss_weight.py); lr (script mode): the learning
+    # rate of the optimizer's first parameter group as the rank stepped. Each absent where not read.
+    for key in ("runq_ms", "loss_weight", "lr"):
         values = extras.get(key)
         if values is not None:
             for row, value in zip(rows, values, strict=True):

@@ -92,6 +92,8 @@ def test_global_loss_from_the_rows_equals_the_frameworks_own_logged_loss(client_
     for step in range(STEPS):
         ranks = [r for r in rows if r["step"] == step]
         assert len(ranks) == 4 and all(r["loss"] is not None and r["tokens"] > 0 for r in ranks), ranks
+        # Each rank's learning rate as it stepped (what param_equality's message reads): one value per step.
+        assert len({r["lr"] for r in ranks}) == 1 and ranks[0]["lr"] is not None, ranks
         rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
         # The scripts number steps from 1 and log after the optimizer step; the probe ends inside its last one.
         if step + 1 in own:

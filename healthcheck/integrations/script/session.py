@@ -254,13 +254,13 @@ class ScriptSession:
         self.hooks.at_step_start(step)
         # Until the end of backward, all-reduce included (so the wait for the slowest rank too; the
         # stragglers audit uses the monitor's busy_ms, which excludes it).
-        extras = {"compute_ms": (time.perf_counter() - self._last_post) * 1000}
+        extras: dict[str, Optional[float]] = {"compute_ms": (time.perf_counter() - self._last_post) * 1000}
         step_loss = self.capture.take()
         extras["loss_weight"] = step_loss.weight  # the loss's weight in this rank's backward (judge/loss_weight.py)
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        self._pending_lr[step] = float(lr) if isinstance(lr, (int, float)) else None
+        self._pending_lr[step] = extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         if self._replay is not None and self._replay.due(step):
             self._replay_round(step)

@@ -97,3 +97,27 @@ def test_batches_are_compared_only_where_every_rank_made_one_of_one_dataset():
     own = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {r}").model_copy(
         update={"batch_facts": {"x": f"int64[3] {r}"}}) for r in range(4)]
     assert not script_shard_audit(own).measured
+
+
+def test_a_rank_with_its_own_warmup_is_explained_only_when_param_equality_names_it():
+    from healthcheck.judge.assemble import explained_by_learning_rate
+    from healthcheck.judge.audit_outcome import AuditOutcome
+    from healthcheck.measure.records import rank_rows
+
+    def rows(odd_rank, steps=4, world=4):
+        out = []
+        for step in range(steps):  # warmup over 2 steps, over 4 on the odd rank: step 0 is 0 on every rank
+            lr = [step / (4 if rank == odd_rank else 2) for rank in range(world)]
+            data = {"per_rank_loss": [1.0] * world, "per_rank_grad_norm": [1.0] * world, "cosine_to_mean": [1.0] * world,
+                    "per_rank_extras": {"lr": lr}}
+            out += rank_rows(step, data)
+        return out
+
+    failed = AuditOutcome(False, "rank 1's parameters differ", "params 0,2-3|1", (1,))
+    assert explained_by_learning_rate(failed, rows(1), 4).message.endswith(
+        "rank 1 stepped with another learning rate from step 1: ranks 0, 2-3 0.5; rank 1 0.25")
+    assert explained_by_learning_rate(failed, rows(3), 4) == failed  # another rank's rate explains nothing here
+    passed = AuditOutcome(True, "bit-identical", "identical")
+    assert explained_by_learning_rate(passed, rows(1), 4) == passed
+    without = [{k: v for k, v in row.items() if k != "lr"} for row in rows(1)]  # the built-in trainer's rows
+    assert explained_by_learning_rate(failed, without, 4) == failed
