@@ -160,6 +160,7 @@ def main():
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     args = ap.parse_args()
 
     ddp_setup()
@@ -195,7 +196,8 @@ def main():
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
     batch_size = args.batch_size + 2 if faulted("batch-size-rank") else args.batch_size
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=False, sampler=sampler,
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=args.workers,
+                        persistent_workers=args.workers > 0,
                         collate_fn=make_collate(tok.pad_token_id, drop_eos=faulted("no-eos-rank")))
     if faulted("eval-pass-rank"):
         model.eval()  # a validation loss before training, and no model.train() after it

@@ -298,15 +298,19 @@ def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(
     assert not shards["measured"] and "its own dataset" in shards["message"], shards["message"]
 
 
-def test_a_rank_that_looks_at_a_batch_before_training_passes(tiny_llama, tmp_path):
+def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_persistent_workers(tiny_llama, tmp_path):
     # One rank computes a sanity loss on its loader's first batch, in eval mode and with autograd on. It was failed
     # (exit 1) three ways: its peek read as an epoch repeating the order (a missing set_epoch), the peek's forward
-    # gave the environment audit its eval mode and an extra forward, and its iterator's seed draw moved the torch RNG.
+    # gave the environment audit its eval mode and an extra forward, and (without workers) its iterator's seed draw
+    # moved the torch RNG. The loader keeps its worker between epochs (persistent_workers), so one iterator object serves every epoch:
+    # every epoch was recorded as epoch 0, and 5 steps over 2 batches per epoch failed as overlapping shards.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
-                               script_args=("--look-first-rank", "2")))
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=5,
+                               script_args=("--look-first-rank", "2", "--workers", "1", "--rows", "32")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "sanity loss before training" in (out / "logs" / "rank-2.log").read_text()
     audits = json.loads((out / "result.json").read_text())["audits"]
-    assert audits["data_shards"]["measured"] and "1 epoch" in audits["data_shards"]["message"]
-    assert audits["environment"]["passed"] and audits["seeds"]["drawn_apart"] == ["torch 0-1,3|2"]
+    assert audits["data_shards"]["measured"] and "over 3 epochs, 100% coverage" in audits["data_shards"]["message"]
+    # Without workers the peek's iterator draws a seed from torch's generator that the others do not: reported by the
+    # seeds audit, not judged (test_audits.py); a persistent iterator draws it once, whoever made it first.
+    assert audits["environment"]["passed"] and audits["seeds"]["passed"], audits["seeds"]["message"]

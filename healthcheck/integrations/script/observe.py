@@ -27,6 +27,10 @@ from healthcheck.measure.module_hooks import module_hooks
 #: Attributes set on the objects themselves: an iterator's epoch, and which loader an index sampler is.
 #: (``id()`` alone is reused once a loader is freed, which would merge two loaders' records.)
 _EPOCH_ATTRIBUTE = "_healthcheck_epoch"
+#: The id of the sampler iterator the epoch was read from. A DataLoader with ``persistent_workers`` keeps one
+#: iterator object for every epoch and gives it a new sampler iterator at each (``_reset``): without this, every
+#: epoch was recorded as epoch 0. The old sampler iterator is alive while the new one is made, so ids differ.
+_PASS_ATTRIBUTE = "_healthcheck_sampler_iter"
 _LOADER_ATTRIBUTE = "_healthcheck_loader"
 
 
@@ -42,6 +46,7 @@ class LoaderRecord:
     epochs_started: int = 0
     batches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     epoch_started_at: int = 0  #: the optimizer steps done when the newest iterator started
+    sampler_epoch: Optional[int] = None  #: its DistributedSampler's ``epoch`` then, where it has one
     peeks: int = 0  #: iterators left out as peeks (:meth:`LoaderRecorder.on_fetch`)
 
     def drop_epochs_from(self, epoch: int) -> None:
@@ -68,8 +73,9 @@ class LoaderRecorder:
         A script may take a batch to look at (``next(iter(loader))`` for a sample, a shape, a sanity loss) before
         or between its epochs. That iterator replays the sampler's current order, so counted as an epoch it would
         read as "epoch 1 repeats epoch 0" (a missing ``set_epoch``) on a rank that trains consistently. It is left
-        out when no optimizer step ran between its start and the next iterator's, or when an older iterator
-        fetches again after it started (training went on where it was). An iterator made afresh for every step
+        out when no optimizer step ran between its start and the next iterator's and its DistributedSampler was
+        not moved to another epoch in between (an accumulation window longer than an epoch spans two real ones), or
+        when an older iterator fetches again after it started (training went on where it was). An iterator made afresh for every step
         (``next(iter(loader))`` as the training loop) is an epoch per step, as it should be: it repeats the order.
         """
         if indices is None:  # an IterableDataset: nothing to index
@@ -95,12 +101,17 @@ class LoaderRecorder:
                 settings=loader_settings(index_sampler),
             )
         epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
+        sampler_iter = id(getattr(iterator, "_sampler_iter", iterator))
+        if getattr(iterator, _PASS_ATTRIBUTE, sampler_iter) != sampler_iter:
+            epoch = None  # the same iterator object, reset for another epoch
         if epoch is None:
-            if record.epochs_started and record.epoch_started_at == self.steps and not _went_through(record, index_sampler):
+            sampler_epoch = getattr(distributed_sampler(index_sampler), "epoch", None)
+            if record.epochs_started and record.epoch_started_at == self.steps and sampler_epoch == record.sampler_epoch:
                 record.drop_epochs_from(record.epochs_started - 1)
-            epoch, record.epoch_started_at = record.epochs_started, self.steps
+            epoch, record.epoch_started_at, record.sampler_epoch = record.epochs_started, self.steps, sampler_epoch
             record.epochs_started += 1
             setattr(iterator, _EPOCH_ATTRIBUTE, epoch)
+            setattr(iterator, _PASS_ATTRIBUTE, sampler_iter)
         elif epoch < record.epochs_started - 1:
             record.drop_epochs_from(epoch + 1)
         ids = indices.tolist() if hasattr(indices, "tolist") else indices
@@ -110,17 +121,6 @@ class LoaderRecorder:
         """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
         fetch few or none within a probe's steps)."""
         return max(self.loaders.values(), key=lambda r: r.samples, default=None)
-
-
-def _went_through(record: LoaderRecord, index_sampler: Any) -> bool:
-    """True when the newest iterator fetched a whole epoch (an epoch shorter than an accumulation window is
-    one, though no step ran); unknown lengths count as not."""
-    try:
-        length = len(index_sampler)
-    except TypeError:
-        return False
-    newest = record.epochs_started - 1
-    return sum(1 for epoch, _ in record.batches if epoch == newest) >= length
 
 
 def loader_settings(index_sampler: Any) -> dict[str, str]:
@@ -142,19 +142,25 @@ def loader_settings(index_sampler: Any) -> dict[str, str]:
     return settings
 
 
-def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:
+def distributed_sampler(index_sampler: Any) -> Any:
     """The DistributedSampler behind a DataLoader's index sampler (a BatchSampler, accelerate's
-    BatchSamplerShard, ...), as a plan; None when the data is not sharded by one."""
+    BatchSamplerShard, ...), or None."""
     from torch.utils.data.distributed import DistributedSampler
 
-    found, queue, seen = None, [index_sampler], 0
-    while queue and found is None and seen < 8:  # samplers nest a few levels deep at most
+    queue, seen = [index_sampler], 0
+    while queue and seen < 8:  # samplers nest a few levels deep at most
         current = queue.pop(0)
         seen += 1
         if isinstance(current, DistributedSampler):
-            found = current
-            break
+            return current
         queue += [getattr(current, name) for name in ("sampler", "batch_sampler") if getattr(current, name, None) is not None]
+    return None
+
+
+def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:
+    """The DistributedSampler behind a DataLoader's index sampler, as a plan; None when the data is not sharded
+    by one."""
+    found = distributed_sampler(index_sampler)
     if found is None:
         return None
     return SamplerPlan(

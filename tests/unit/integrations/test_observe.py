@@ -229,9 +229,9 @@ def test_a_batch_taken_between_steps_is_dropped_when_training_goes_on_with_the_o
     assert record.epochs_started == 1 and record.peeks == 1
 
 
-def test_an_iterator_per_step_and_a_whole_epoch_without_a_step_stay_epochs():
+def test_an_iterator_per_step_and_epochs_within_one_accumulation_window_stay_epochs():
     """The first repeats its order every step (a bug the shard audit must see); the second is an accumulation
-    window longer than the epoch."""
+    window longer than the epoch, told from a peek by its sampler's set_epoch."""
     session = Session()
     loader = DataLoader(list(range(8)), batch_size=2, shuffle=False)
     patches = install(session)
@@ -239,11 +239,33 @@ def test_an_iterator_per_step_and_a_whole_epoch_without_a_step_stay_epochs():
         for _ in range(3):
             next(iter(loader))
             _step(session)
-        short = DataLoader(list(range(4)), batch_size=2)
-        for _ in range(2):
+        sampler = DistributedSampler(list(range(8)), num_replicas=2, rank=0, seed=3)
+        short = DataLoader(list(range(8)), batch_size=2, sampler=sampler)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
             list(short)  # two epochs, then one step
         _step(session)
     finally:
         patches.restore()
-    records = sorted(session.loaders.loaders.values(), key=lambda r: r.dataset_size)
-    assert [r.epochs_started for r in records] == [2, 3] and [r.peeks for r in records] == [0, 0]
+    records = sorted(session.loaders.loaders.values(), key=lambda r: r.plan is not None)
+    assert [r.epochs_started for r in records] == [3, 2] and [r.peeks for r in records] == [0, 0]
+
+
+def test_a_loader_with_persistent_workers_starts_an_epoch_each_time_its_iterator_is_reset():
+    # One iterator object serves every epoch (DataLoader._reset): every epoch was recorded as epoch 0.
+    session = Session()
+    data = list(range(12))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, seed=1)
+    loader = DataLoader(data, batch_size=2, sampler=sampler, num_workers=1, persistent_workers=True)
+    patches = install(session)
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for _ in loader:
+                _step(session)
+    finally:
+        patches.restore()
+    batches, record = _epochs(session)
+    assert record.epochs_started == 2 and [epoch for epoch, _ in batches] == [0] * 3 + [1] * 3
+    sampler.set_epoch(1)
+    assert [i for _, ids in batches[3:] for i in ids] == list(sampler)
