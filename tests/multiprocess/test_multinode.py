@@ -113,9 +113,18 @@ def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tupl
     return [(process.returncode, (tmp_path / f"agent-{name}.log").read_text()) for process, name in zip(agents, AGENTS)]
 
 
+#: torchrun's own failure, not the probe's: an agent that lost the rendezvous store while polling it for new
+#: nodes. Seen once in CI (the host's store connection closed under the other agent); not reproduced here.
+LAUNCHER_FLAKE = "RendezvousConnectionError"
+
+
 def test_two_agents_form_one_four_rank_probe(tmp_path):
     out = tmp_path / "run"
     agents = run_agents(tmp_path, out)
+    if any(code != 0 and LAUNCHER_FLAKE in log for code, log in agents):
+        # Once more from scratch: a probe that fails fails again; a launcher flake does not repeat.
+        out = tmp_path / "run-again"
+        agents = run_agents(tmp_path, out)
     logs = "\n".join(f"--- agent {name} (exit {code}) ---\n{log[-2500:]}" for name, (code, log) in zip(AGENTS, agents))
     assert [code for code, _ in agents] == [0, 0], logs
 
