@@ -155,14 +155,15 @@ class _ScriptRun:
         if self.rank_config.faults.step_sleep_ms:
             time.sleep(self.rank_config.faults.step_sleep_ms / 1000)
 
-    def _on_metrics(self, step: int, metrics: Any, lr: Optional[float]) -> None:
+    def _on_metrics(self, step: int, metrics: Any) -> None:
         if self.rank != 0 or self.run_dir is None:
             return
         if self.writers is None:
             self.writers = (JsonlWriter(self.run_dir / STEPS_FILE), JsonlWriter(self.run_dir / AGGREGATES_FILE))
             # The first rows arrive a step late (the gather overlaps the next step): that step is not timed.
             self.progress = StepProgress(self.config.name, self.config.train.steps, start_done=step + 1) if self.show_progress else None
-        write_rows(self.writers, step, metrics, lr)
+        # The aggregate row's learning rate is rank 0's, gathered with every rank's (the rows' lr).
+        write_rows(self.writers, step, metrics, (metrics.per_rank_extras.get("lr") or [None])[0])
         if self.progress is not None:
             self.progress.advance(step + 1)
 

@@ -12,10 +12,10 @@ its backward runs before the next one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.eager import eager
+from healthcheck.integrations.script.replay_batch import differentiable_tensors
 
 #: How deep the output is searched for tensors (a ModelOutput, a tuple of them, a dict of losses).
 _OUTPUT_DEPTH = 3
@@ -51,7 +51,7 @@ class TrainingForwards:
 
         if self._stopped or not torch.is_grad_enabled():
             return
-        tensors = [t for t in _tensors(output, _OUTPUT_DEPTH) if t.requires_grad]
+        tensors = differentiable_tensors(output, _OUTPUT_DEPTH)
         if not tensors:
             return
         facts = self._pending
@@ -71,22 +71,3 @@ class TrainingForwards:
         self._stopped = True
         return self.facts or self._pending or {}
 
-
-def _tensors(value: Any, depth: int) -> list[Any]:
-    """The tensors in a forward's output, a few containers deep.
-
-    >>> import torch
-    >>> [t.shape[0] for t in _tensors({"loss": torch.zeros(1), "parts": (torch.zeros(2), "x")}, 3)]
-    [1, 2]
-    """
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0:
-        return []
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item, depth - 1)]
-    return []

@@ -78,13 +78,20 @@ def output_surrogate(output: Any) -> Any:
     """
     import torch
 
-    found = _differentiable(output, depth=2)
+    found = differentiable_tensors(output, depth=2)
     if not found:
         raise ValueError("the script's model returned no loss and no differentiable floating-point output to replay")
     return torch.stack([t.float().square().mean() for t in found]).sum()
 
 
-def _differentiable(value: Any, depth: int) -> list[Any]:
+def differentiable_tensors(value: Any, depth: int) -> list[Any]:
+    """The floating tensors that require grad in a model's output (a tensor, or inside tuples, lists, dicts and
+    ``ModelOutput``s, ``depth`` containers deep); also what :mod:`.forwards` watches for a backward.
+
+    >>> import torch
+    >>> [t.shape[0] for t in differentiable_tensors({"loss": torch.zeros(1, requires_grad=True), "ids": (torch.zeros(2), "x")}, 3)]
+    [1]
+    """
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -94,5 +101,5 @@ def _differentiable(value: Any, depth: int) -> list[Any]:
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _differentiable(item, depth - 1)]
+        return [t for item in value for t in differentiable_tensors(item, depth - 1)]
     return []

@@ -58,7 +58,7 @@ class SessionHooks:
     beat: Callable[[int, str], None]  #: heartbeat: (step, phase)
     at_step_start: Callable[[int], None]  #: injected faults of the step (crash, hang)
     after_step: Callable[[int], None] = lambda step: None  #: injected slowness, inside the next step's work
-    on_metrics: Callable[[int, Any, Optional[float]], None]  #: (step, StepMetrics, lr): rows and progress
+    on_metrics: Callable[[int, Any], None]  #: (step, StepMetrics): rows and progress
     on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
     install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
     #: (module, loss_of, device, device names) -> the replay audit's rounds, or None when switched off
@@ -92,7 +92,6 @@ class ScriptSession:
         self._first_step_at = 0.0
         self._train_started = 0.0
         self._last_post = time.perf_counter()
-        self._pending_lr: dict[int, Optional[float]] = {}
         self._loss_weights = LossWeightWatch()
         self._handles: list[Any] = []
         self._patches: Any = None
@@ -125,7 +124,7 @@ class ScriptSession:
         try:
             metrics = self.monitor.flush(timeout_s=CLOSE_WAIT_S)
             if metrics is not None:
-                self.hooks.on_metrics(metrics.step, metrics, self._pending_lr.pop(metrics.step, None))
+                self.hooks.on_metrics(metrics.step, metrics)
         except Exception:  # the gather failed with its peer: nothing to keep
             pass
 
@@ -260,7 +259,7 @@ class ScriptSession:
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        self._pending_lr[step] = extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None
+        extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None  # gathered: every rank's, as it stepped
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         if self._replay is not None and self._replay.due(step):
             self._replay_round(step)
@@ -270,7 +269,7 @@ class ScriptSession:
         """A step's metrics (they arrive a step late): rows on rank 0, and a stop on a non-finite value."""
         if metrics is None:
             return
-        self.hooks.on_metrics(metrics.step, metrics, self._pending_lr.pop(metrics.step, None))
+        self.hooks.on_metrics(metrics.step, metrics)
         # Every rank sees the same gathered metrics, so all stop after the same step.
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
         weights = metrics.per_rank_extras.get("loss_weight")
