@@ -33,6 +33,17 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def failed_findings(run_dir: Path) -> dict[str, dict]:
+    """The run's verdict.json findings that failed, by check name."""
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    return {finding["check"]: finding for finding in verdict["findings"] if not finding["passed"]}
+
+
+def failed_ranks(run_dir: Path) -> dict[str, list[int]]:
+    """The ranks each failed check names, by check name."""
+    return {check: finding["ranks"] for check, finding in failed_findings(run_dir).items()}
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import read_rows, run_cli
+from tests.e2e.conftest import failed_ranks, read_rows, run_cli
 from tests.e2e.test_script_mode import DATA, probe_args, tiny_llama  # noqa: F401 (tiny_llama is a fixture)
 
 STEPS = 4
@@ -87,8 +87,7 @@ def test_stale_weights_own_clipping_and_a_slow_logger_are_each_named_at_their_ra
                       script_args=("--clip", "1.0", "--bug", "stale-weights-rank=3,clip-rank=1,slow-rank=0"))
     done = run_cli(*args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    failed = failed_ranks(out)
     assert failed == {"audit.sharded_state": [3], "audit.environment": [1], "audit.stragglers": [0]}, failed
     audits = json.loads((out / "result.json").read_text())["audits"]
     assert "lm_head.weight" in audits["sharded_state"]["message"]
@@ -112,7 +111,7 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True}
     assert result["audits"]["environment"]["message"] == message
     verdict = json.loads((out / "verdict.json").read_text())
-    assert {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]} == {"audit.environment": [2]}
+    assert failed_ranks(out) == {"audit.environment": [2]}
     assert verdict["notes"][-1].endswith("the ranks cannot train past it, with --no-fail-fast either"), verdict["notes"]
 
 
@@ -122,8 +121,7 @@ def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path
                    "--set", "distributed.nproc=4", "--set", "train.steps=4", "--set", "metrics.param_check_every=2",
                    "--set", "rank_overrides={2: {train: {lr: 0.01}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    failed = failed_ranks(out)
     assert failed.get("audit.sharded_state") == [2], failed
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["distributed"]["strategy"] == "fsdp"
@@ -139,6 +137,5 @@ def test_a_straggler_under_fsdp2_is_named_though_every_collective_waits_for_it(t
                    "--set", "distributed.nproc=8", "--set", "train.steps=30", "--set", "metrics.replay_every=0",
                    "--set", "rank_overrides={6: {faults: {step_sleep_ms: 50}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    failed = failed_ranks(out)
     assert failed == {"audit.stragglers": [6]}, failed

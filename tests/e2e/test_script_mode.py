@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from healthcheck.measure import runqueue
-from tests.e2e.conftest import REPO, SHARED_DATA, read_rows, run_cli
+from tests.e2e.conftest import REPO, SHARED_DATA, failed_findings, failed_ranks, read_rows, run_cli
 
 DATA = SHARED_DATA / "gsm8k_alpaca.json"
 CLIENTS = REPO / "tests" / "clients"
@@ -155,8 +155,7 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=steps,
                                extra=("--no-fail-fast",) if full else (), script_args=("--bug", bugs)))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: set(f["ranks"]) for f in verdict["findings"] if not f["passed"]}
+    failed = {check: set(ranks) for check, ranks in failed_ranks(out).items()}
     assert {check: failed.get(check) for check in expected} == expected, failed
     result = json.loads((out / "result.json").read_text())
     if full:
@@ -202,8 +201,7 @@ def test_a_bad_device_is_named_by_the_replay(client, rank, script_args, tiny_lla
                                extra=("--set", "metrics.replay_every=2", "--set", f"rank_overrides={{{rank}: {fault}}}"),
                                script_args=script_args))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    failed = failed_ranks(out)
     assert failed == {"audit.replay": [rank]}, failed
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
@@ -216,8 +214,7 @@ def test_a_trainer_rank_with_neftune_is_not_sent_to_be_drained(tiny_llama, tmp_p
     done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
                                script_args=("--neftune-rank", "1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f for f in verdict["findings"] if not f["passed"]}
+    failed = failed_findings(out)
     assert list(failed) == ["audit.replay"] and failed["audit.replay"]["ranks"] == [1], list(failed)
     message = failed["audit.replay"]["message"]
     assert "rank 1 1x forward neftune_post_forward_hook" in message and "drain the node" not in message, message
@@ -265,8 +262,7 @@ def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(ti
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["check"] == "environment" and result["steps_completed"] == 0, result["stopped_early"]
     assert result["audits"]["environment"]["message"] == "train.forwards_in_step_0 differs: ranks 0, 2-3 2; rank 1 4"
-    verdict = json.loads((out / "verdict.json").read_text())
-    assert {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]} == {"audit.environment": [1]}
+    assert failed_ranks(out) == {"audit.environment": [1]}
 
 
 def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(tiny_llama, tmp_path):
@@ -276,8 +272,7 @@ def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(
     done = run_cli(*probe_args("trl_sft", out, tiny_llama, tmp_path / "loss.jsonl", steps=12,
                                script_args=("--loss-scale-rank", "1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((out / "verdict.json").read_text())
-    failed = {f["check"]: f["ranks"] for f in verdict["findings"] if not f["passed"]}
+    failed = failed_ranks(out)
     assert failed == {"audit.loss_weight": [1]}, failed
     result = json.loads((out / "result.json").read_text())
     message = result["audits"]["loss_weight"]["message"]
