@@ -28,6 +28,8 @@ from healthcheck.judge.audit_outcome import (
 
 #: Field order of the seed audit: the first field on which ranks differ is the one the message names.
 SEED_FIELDS = ("seed", "sampler_seed", "torch_seed", "python_seed", "numpy_seed")
+#: The seed field that each generator's state follows from.
+GENERATOR_SEED = {"torch": "torch_seed", "cuda": "torch_seed", "python": "python_seed", "numpy": "numpy_seed"}
 
 
 # --------------------------------------------------------------------------- 2. seeds and RNG
@@ -42,10 +44,13 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     numbers as the padded batch has elements, and that shape differs between ranks by design.
     python and numpy states after the first step are judged (training draws nothing from them).
 
-    A torch or CUDA state that differs at the start while every rank's ``torch_seed`` agrees is reported, not
-    judged: that rank drew another count of numbers since seeding (a data-loader iterator or a sanity loss run on
-    rank 0 alone), which changes its dropout masks, no more than any two ranks' batches already differ. Under DDP
-    the parameters it may have initialised are broadcast from rank 0. A rank with another seed still fails.
+    A generator's state that differs at the start while every rank's seed for it agrees (:data:`GENERATOR_SEED`)
+    is reported, not judged: that rank drew another count of numbers since seeding (a data-loader iterator, a
+    sanity loss or an example picked to log, on rank 0 alone), which changes what it draws later (its dropout
+    masks), no more than any two ranks' batches already differ. Under DDP the parameters it may have initialised
+    are broadcast from rank 0. Its state after the first step then differs too and is not judged either. A rank
+    with another seed still fails; so does a python or numpy state whose seed is not known (a script whose
+    seeding healthcheck did not see), as no state tells a reseed from an extra draw.
 
     ``entropy_seeded`` names generators that start from OS entropy unless the code seeds them
     (python's and numpy's, in a script healthcheck did not seed). When their states differ on *every*
@@ -69,15 +74,17 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
             noun = f.replace("_", " ")
             text = grouping_text(groups, lambda rank, f=f: ranks[rank][f], noun)
             return AuditOutcome(False, text, f"{f} {partition_signature(groups)}", tuple(odd_ones_out(groups)), details)
+    drawn_apart: set[str] = set()
     for when, generators in (("rng_start", None), ("rng_after_first_step", ("python", "numpy"))):
         for generator in sorted({g for r in ranks for g in r.get(when, {})}):
-            if generators is not None and generator not in generators:
+            if generators is not None and generator not in generators or generator in drawn_apart:
                 continue
             groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
             if generator in entropy_seeded and len(groups) == world and world > 1:
                 details.setdefault("unseeded", []).append(generator)
                 continue
-            if len(groups) > 1 and when == "rng_start" and generator in ("torch", "cuda") and "torch_seed" in fields:
+            if len(groups) > 1 and when == "rng_start" and GENERATOR_SEED.get(generator) in fields:
+                drawn_apart.add(generator)
                 details.setdefault("drawn_apart", []).append(f"{generator} {partition_signature(groups)}")
                 continue
             if len(groups) > 1:
@@ -94,7 +101,8 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     states = " and identical RNG states after seeding"
     if details.get("drawn_apart"):
         states = (f"; their RNG states at the first training forward differ ({', '.join(details['drawn_apart'])}) under the "
-                  "same torch seed: a rank drew more numbers before it, which changes its dropout masks only (not judged)")
+                  "same seeds: a rank drew more numbers before it, which changes only what it draws later, such as its "
+                  "dropout masks (not judged)")
     return AuditOutcome(True, f"{ranks_phrase(everyone)} share {seed}{states}{note}", "shared", (), details)
 
 

@@ -21,12 +21,16 @@ config adds: bf16 matmuls in oneDNN, TF32 in cuBLAS) and ``slow-rank=R``
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
-loader and prints a sanity loss of the unwrapped model in eval mode, without ``no_grad``, before training.
+loader and prints a sanity loss of the unwrapped model in eval mode, without ``no_grad``, before training, and
+an example it picks with ``random.choice`` (python's generator, which ``--set-seed`` seeds on every rank).
+
+``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
 """
 
 import argparse
 import json
 import os
+import random
 import time
 
 import torch
@@ -118,11 +122,14 @@ class Trainer:
         return (stats[0] / stats[1]).item()
 
     def look_first(self):
-        """A sanity loss on one batch before training (the iterator draws a seed from torch's generator)."""
+        """A sanity loss on one batch before training (the iterator draws a seed from torch's generator), and a
+        random example to eyeball (a draw from python's generator on this rank alone)."""
         self.model.module.eval()
         input_ids, attn, labels = next(iter(self.train_data))
         loss = self.model.module(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         print(f"[GPU{self.rank}] sanity loss before training {loss.item():.4f}", flush=True)
+        example = random.choice(self.train_data.dataset.items)[0]
+        print(f"[GPU{self.rank}] an example: {len(example)} tokens, starting {example[:8]}", flush=True)
         self.model.module.train()
 
     def train(self):
@@ -161,10 +168,16 @@ def main():
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
+    ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
     args = ap.parse_args()
 
     ddp_setup()
-    torch.manual_seed(args.seed)
+    if args.set_seed:
+        from transformers import set_seed
+
+        set_seed(args.seed)
+    else:
+        torch.manual_seed(args.seed)
     rank = int(os.environ["RANK"])
     bugs = dict(part.partition("=")[::2] for part in args.bug.split(","))
 

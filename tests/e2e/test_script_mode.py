@@ -301,7 +301,7 @@ def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_pe
     # every epoch was recorded as epoch 0, and 5 steps over 2 batches per epoch failed as overlapping shards.
     out = tmp_path / "run"
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=5,
-                               script_args=("--look-first-rank", "2", "--workers", "1", "--rows", "32")))
+                               script_args=("--look-first-rank", "2", "--workers", "1", "--rows", "32", "--set-seed")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "sanity loss before training" in (out / "logs" / "rank-2.log").read_text()
     audits = json.loads((out / "result.json").read_text())["audits"]
@@ -309,3 +309,6 @@ def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_pe
     # Without workers the peek's iterator draws a seed from torch's generator that the others do not: reported by the
     # seeds audit, not judged (test_audits.py); a persistent iterator draws it once, whoever made it first.
     assert audits["environment"]["passed"] and audits["seeds"]["passed"], audits["seeds"]["message"]
+    # The rank also picked an example to log with random.choice under transformers.set_seed: python's state drew
+    # apart under a seed every rank shares (it failed the seeds audit while python's seed could not be read back).
+    assert "python 0-1,3|2" in audits["seeds"]["message"], audits["seeds"]["message"]

@@ -342,6 +342,8 @@ def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankI
     return RankInfo(
         **rank_identity(hdist.get_dist_info(), device),
         torch_seed=facts.get("torch_seed"),
+        python_seed=facts.get("python_seed"),
+        numpy_seed=facts.get("numpy_seed"),
         sampler_seed=plan.seed if plan else None,
         sampler_rank=plan.rank if plan else None,
         sampler_replicas=plan.num_replicas if plan else None,

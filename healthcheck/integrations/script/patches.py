@@ -19,6 +19,7 @@ original on exit, in reverse order, whatever happened in between.
   private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
 * ``torch.nn.utils``' gradient clipping functions: how the script clips its model (:mod:`.clipping`).
+* ``random.seed`` and ``numpy.random.seed``: the seeds the script gives those generators (:mod:`.seeds`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.script import clipping
+from healthcheck.integrations.script import clipping, seeds
 from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
@@ -79,7 +80,10 @@ class Patches:
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
-    ``session.clips.observe(...)``."""
+    ``session.clips.observe(...)`` and ``session.seeds.record(...)``."""
+    import random
+
+    import numpy
     import torch.distributed as dist
     import torch.multiprocessing as torch_mp
     from torch.nn.parallel import DistributedDataParallel
@@ -166,6 +170,8 @@ def install(session: Any) -> Patches:
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
         clipping.patch(patches, lambda *call: session.clips.observe(*call))
+        patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
+        patches.wrap(numpy.random, "seed", seeds.seeding("numpy", lambda: session.seeds))
     except BaseException:
         patches.restore()
         raise

@@ -37,6 +37,7 @@ from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
+from healthcheck.integrations.script.seeds import SeedCalls
 from healthcheck.integrations.script.shard_agreement import sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
@@ -83,7 +84,8 @@ class ScriptSession:
         self.steps_done = 0
         self.complete = False
         self.report: Optional[WorkerReport] = None
-        self.forwards = TrainingForwards(observe.first_forward_facts)
+        self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
+        self.forwards = TrainingForwards(self._first_forward_facts)
         self._param_ids: set[int] = set()
         self._registering = False
         self._depth = 0
@@ -95,6 +97,10 @@ class ScriptSession:
         self._loss_weights = LossWeightWatch()
         self._handles: list[Any] = []
         self._patches: Any = None
+
+    def _first_forward_facts(self, module: Any) -> dict[str, Any]:
+        # The python and numpy seeds as of the moment their generators' states are read.
+        return {**observe.first_forward_facts(module), **self.seeds.fields()}
 
     # ------------------------------------------------------------------ install / remove
 
@@ -194,7 +200,7 @@ class ScriptSession:
         """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
         FSDP2's first all-gather, with what it knows there as the evidence (the environment audit fails on the
         sharding facts; seeds and shards are judged on the first forward's RNG and the fetched batches)."""
-        facts = observe.first_forward_facts(module)
+        facts = self._first_forward_facts(module)
         self.model = module
         self.audit = AuditRecorder(
             module,

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.patches import Patches, install
+from healthcheck.integrations.script.seeds import SeedCalls
 
 
 class Session:
     def __init__(self):
         self.loaders = observe.LoaderRecorder()
+        self.seeds = SeedCalls()
 
     def on_fetch(self, iterator, indices):
         self.loaders.on_fetch(iterator, indices)
@@ -269,3 +274,26 @@ def test_a_loader_with_persistent_workers_starts_an_epoch_each_time_its_iterator
     assert record.epochs_started == 2 and [epoch for epoch, _ in batches] == [0] * 3 + [1] * 3
     sampler.set_epoch(1)
     assert [i for _, ids in batches[3:] for i in ids] == list(sampler)
+
+
+def test_the_scripts_python_and_numpy_seeds_are_taken_and_healthchecks_own_are_not():
+    # transformers.set_seed seeds python and numpy through the module attributes the patches wrap. The batch facts
+    # (and the replay) seed them too, then restore their states: that is healthcheck's seeding, not the script's.
+    from transformers import set_seed
+
+    session = Session()
+    patches = install(session)
+    try:
+        set_seed(1234)
+        state = random.getstate()
+        DataLoader([[i, i + 1] for i in range(10)], batch_size=2)  # no fetch yet
+        next(iter(DataLoader([[i, i + 1] for i in range(10)], batch_size=2)))  # the batch facts seed with 0
+        assert random.getstate() == state and session.seeds.fields() == {"python_seed": 1234, "numpy_seed": 1234}
+        np.random.seed(seed=7)
+        random.seed(None)  # OS entropy: no seed to compare
+    finally:
+        patches.restore()
+    assert session.seeds.fields() == {"numpy_seed": 7}
+    assert random.seed.__module__ == "random" and np.random.seed is not None and not hasattr(random.seed, "__wrapped__")
+    (record,) = [r for r in session.loaders.loaders.values() if r.batch_facts]
+    assert sorted(record.batch_facts) == ["[0]", "[1]"]

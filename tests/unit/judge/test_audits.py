@@ -173,13 +173,28 @@ def test_a_torch_state_drawn_apart_under_a_shared_seed_is_reported_and_another_s
     outcome = seed_audit(ranks)
     assert outcome.passed and outcome.details["drawn_apart"] == ["torch 0|1-3"]
     assert outcome.message == ("ranks 0-3 share seed 42; their RNG states at the first training forward differ (torch 0|1-3) "
-                               "under the same torch seed: a rank drew more numbers before it, which changes its dropout "
-                               "masks only (not judged)")
+                               "under the same seeds: a rank drew more numbers before it, which changes only what it draws "
+                               "later, such as its dropout masks (not judged)")
     ranks[0]["torch_seed"] = 7
     assert seed_audit(ranks).signature == "torch_seed 0|1-3"
+
+
+def test_a_python_state_drawn_apart_under_a_known_seed_is_reported_and_an_unknown_seed_still_fails():
+    """A script seeds python (transformers.set_seed), then rank 2 picks an example to log with random.choice: its
+    state differs at the first forward and after the first step; with the seeds known that is an extra draw."""
     ranks = _ranks([42] * 4)
-    ranks[0]["rng_start"]["python"] = "drawn"  # python and numpy states are still judged
-    assert not seed_audit(ranks).passed
+    ranks[2]["rng_start"]["python"] = ranks[2]["rng_after_first_step"]["python"] = "drawn"
+    outcome = seed_audit(ranks)
+    assert outcome.passed and outcome.details["drawn_apart"] == ["python 0-1,3|2"]
+    ranks[2]["python_seed"] = 7
+    assert not seed_audit(ranks).passed and seed_audit(ranks).signature == "python_seed 0-1,3|2"
+    for rank in ranks:  # a script whose python seeding was not seen: no state tells a reseed from an extra draw
+        rank["python_seed"] = rank["seed"] = None
+    assert not seed_audit(ranks).passed and seed_audit(ranks).ranks == (2,)
+    # Drawn apart only during the first step, its start state shared: still judged (training draws nothing there).
+    ranks = _ranks([42] * 4)
+    ranks[2]["rng_after_first_step"]["python"] = "drawn"
+    assert not seed_audit(ranks).passed and seed_audit(ranks).ranks == (2,)
 
 
 def test_a_diverged_python_rng_is_named():
