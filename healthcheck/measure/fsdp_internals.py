@@ -68,6 +68,15 @@ def group_settings(root: Any) -> dict[str, str]:
     return {name: " | ".join(sorted(values)) for name, values in facts.items()}
 
 
+def gradient_sync(root: Any) -> str:
+    """Whether the next backward reduce-scatters the gradients (``set_requires_gradient_sync``): "on", "off", or
+    "on for N of M groups" (a model without groups: "on", FSDP2's default)."""
+    flags = [bool(group.reduce_grads) for _, _, group in param_groups(root)]
+    if all(flags):
+        return "on"
+    return "off" if not any(flags) else f"on for {sum(flags)} of {len(flags)} groups"
+
+
 def root_facts(root: Any) -> dict[str, str]:
     """The sharding settings every rank must share, for the environment audit: each distinct mixed
     precision policy, offload policy and reshard-after-forward choice over the model's parameter groups."""

@@ -17,7 +17,9 @@ copy of the checkpoint differs in one tensor (a stale file on one node), which F
 ``bf16-except-rank=R``: FSDP2 computes in bf16 on every rank but R (fp32): FSDP2's first all-gather breaks.
 ``clip-rank=R``: rank R clips at a tenth of ``--clip`` (a per-node config): under FSDP2 it scales only its own shard.
 ``slow-rank=R``: rank R spends 50 ms after each update (a slow logger or checkpoint writer), so the others wait for
-it in the logging ``all_reduce``, not in FSDP2's collectives.
+it in the logging ``all_reduce``, not in FSDP2's collectives. ``accum-rank=R``: rank R accumulates one micro-batch more
+per update than ``--accum`` (a per-node ``gradient_accumulation_steps``): its extra forward all-gathers while the
+others step, which no FSDP2 collective pairs with.
 """
 
 import argparse
@@ -94,7 +96,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
-                    "slow-rank=R")
+                    "slow-rank=R, accum-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -127,7 +129,7 @@ def main():
         sampler.set_epoch(epoch)
         for input_ids, labels in loader:
             micro.append((input_ids, labels))
-            if len(micro) < args.accum:
+            if len(micro) < args.accum + (bugs.get("accum-rank") == rank):
                 continue
             stats = torch.zeros(2)
             for index, (ids, lab) in enumerate(micro):

@@ -115,6 +115,21 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     assert verdict["notes"][-1].endswith("the ranks cannot train past it, with --no-fail-fast either"), verdict["notes"]
 
 
+def test_a_rank_with_its_own_gradient_accumulation_is_named_before_the_ranks_hang(tiny_llama, tmp_path):  # noqa: F811
+    # Rank 1 accumulates 3 micro-batches where the others take 2, switching FSDP2's gradient sync off for all but the
+    # last (as torchtitan and accelerate do). At forward 2 the others reduce-scatter in their backward and rank 1
+    # does not: the ranks hung until distributed.timeout_s and the probe ended in exit 3. Now every rank stops there.
+    out = tmp_path / "run"
+    args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                      extra=("--set", "distributed.timeout_s=60"), script_args=("--accum", "2", "--bug", "accum-rank=1"))
+    done = run_cli(*args)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    message = "train.before_first_update differs: ranks 0, 2-3 forward 2 (gradient sync on); rank 1 forward 2 (gradient sync off)"
+    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True}
+    assert failed_ranks(out) == {"audit.environment": [1]} and result["audits"]["environment"]["message"] == message
+
+
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
     out = tmp_path / "run"
     done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",

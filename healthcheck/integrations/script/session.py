@@ -38,7 +38,7 @@ from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.seeds import SeedCalls
-from healthcheck.integrations.script.shard_agreement import sharding_facts
+from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.audit_outcome import AuditOutcome
@@ -77,7 +77,7 @@ class ScriptSession:
         self.loaders = observe.LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
-        self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_before_sharding)
+        self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_at_start)
         self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self.audit: Optional[AuditRecorder] = None
@@ -196,18 +196,22 @@ class ScriptSession:
         self._handles += self.forwards.attach(module)
         self.forwards.before(module, args)
 
-    def _stop_before_sharding(self, module: Any, outcome: AuditOutcome) -> None:
-        """The ranks shard differently (:mod:`.shard_agreement`): every rank ends the probe at step 0, before
-        FSDP2's first all-gather, with what it knows there as the evidence (the environment audit fails on the
-        sharding facts; seeds and shards are judged on the first forward's RNG and the fetched batches)."""
-        facts = self._first_forward_facts(module)
+    def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
+        """The FSDP2 ranks cannot train together (:mod:`.shard_agreement`): they shard differently (before the first
+        all-gather) or are not at the same forward or step before the first update. Every rank ends the probe there,
+        at step 0, the environment audit failing on the facts that differ; seeds and shards are judged on the first
+        forward's RNG and the fetched batches."""
+        facts = self.forwards.facts or self._first_forward_facts(module)
         self.model = module
-        self.audit = AuditRecorder(
-            module,
-            param_check_every=self.config.metrics.param_check_every,
-            extra={"model_dtype": facts["model_dtype"], **facts["module"], **sharding_facts(module)},
-        )
-        self.audit.rng["rng_start"] = facts["rng"]
+        if self.audit is None:
+            self.audit = AuditRecorder(
+                module,
+                param_check_every=self.config.metrics.param_check_every,
+                extra={"model_dtype": facts["model_dtype"], **facts["module"], **sharding_facts(module)},
+            )
+            self.audit.rng["rng_start"] = facts["rng"]
+        if self.fsdp.fact is not None:
+            self.audit.extra[LOCKSTEP] = self.fsdp.fact
         loader = self.loaders.training_loader()
         info, _ = observe.rank_info(facts, loader.plan if loader else None)
         self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
@@ -251,6 +255,8 @@ class ScriptSession:
         step = self.steps_done
         self.hooks.beat(step, "sync")
         if step == 0:
+            if self.fsdp.root is self.model:
+                self.fsdp.at_first_update()  # collective: a rank that is not at this step stops every rank
             self._start(optimizer)
             if self.fail_fast.stop is not None:  # decided before the first update: no parameter moves
                 self._depth -= 1

@@ -5,6 +5,8 @@ unless it sits inside the current root (a block sharded after its parent). Until
 candidate takes over the loss capture and the forward pre-hooks from the previous one. At the root's first
 forward the ranks first compare how they shard (:mod:`.shard_agreement`, ahead of FSDP2's own pre-forward hook,
 whose all-gather a disagreement breaks); at its first training forward every sharded module must lie inside it.
+Until the first update, every root forward and that update also compare where each rank is (a rank with its own
+gradient accumulation would all-gather while the others reduce-scatter or step).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.eager import eager
-from healthcheck.integrations.script.shard_agreement import check_agreement
+from healthcheck.integrations.script.shard_agreement import check_agreement, check_lockstep, lockstep_fact
 from healthcheck.judge.audit_outcome import AuditOutcome
 
 
@@ -23,8 +25,9 @@ class ShardedRoot:
     Args:
         watch: Starts the loss capture on a module; returns the handles that stop it.
         on_training: ``(root, forward args)`` at the root's first training forward (FSDP2's lazy init has run).
-        on_disagreement: ``(root, outcome)`` when the ranks shard differently, before any all-gather; it must
-            end the run (no rank can train past that all-gather).
+        on_disagreement: ``(root, outcome)`` when the ranks shard differently, before any all-gather, or are not
+            at the same forward or step before the first update; it must end the run (no rank can train past
+            the next all-gather).
     """
 
     def __init__(
@@ -38,7 +41,10 @@ class ShardedRoot:
         self.sharded: list[Any] = []  #: every module passed to fully_shard
         self.pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.started = False
+        self.forwards = 0  #: root forwards before the first update
+        self.fact: str | None = None  #: where this rank last said it was (:func:`.shard_agreement.lockstep_fact`)
         self._agreed = False
+        self._updated = False
         self._handles: list[Any] = []
 
     def before(self, module: Any) -> None:
@@ -59,14 +65,30 @@ class ShardedRoot:
             *self._watch(module),
             module.register_forward_pre_hook(eager(self._first_training_forward)),
             # Before FSDP2's own pre-forward hook (prepended at fully_shard).
-            module.register_forward_pre_hook(eager(self._before_first_all_gather), prepend=True),
+            module.register_forward_pre_hook(eager(self._before_all_gather), prepend=True),
         ]
 
-    def _before_first_all_gather(self, module: Any, args: Any) -> None:
-        if self.started or self._agreed:
+    def _before_all_gather(self, module: Any, args: Any) -> None:
+        if self._updated:
             return
-        self._agreed = True
-        outcome = check_agreement(module)  # collective: every rank takes the same branch
+        if not self._agreed:
+            self._agreed = True
+            outcome = check_agreement(module)  # collective: every rank takes the same branch
+            if not outcome.passed:
+                self.started = True
+                self._on_disagreement(module, outcome)
+                return
+        self.forwards += 1
+        self._compare(module, stepping=False)
+
+    def at_first_update(self) -> None:
+        """The first optimizer step (a collective): the ranks compare where they are a last time."""
+        self._updated = True
+        self._compare(self.root, stepping=True)
+
+    def _compare(self, module: Any, *, stepping: bool) -> None:
+        self.fact = lockstep_fact(module, forwards=self.forwards, stepping=stepping)
+        outcome = check_lockstep(self.fact)  # collective, at the same place on every rank until one differs
         if not outcome.passed:
             self.started = True
             self._on_disagreement(module, outcome)

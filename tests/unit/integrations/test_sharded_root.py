@@ -16,9 +16,10 @@ DIFFER = AuditOutcome(False, "fsdp.param_dtype differs: ranks 0-1 bfloat16; rank
 
 
 class Calls:
-    def __init__(self, monkeypatch, outcome):
-        self.watched, self.training, self.disagreed, self.compared = [], [], [], 0
+    def __init__(self, monkeypatch, outcome, lockstep=lambda fact: AGREE):
+        self.watched, self.training, self.disagreed, self.compared, self.facts = [], [], [], 0, []
         monkeypatch.setattr(sharded_root, "check_agreement", self._compare)
+        monkeypatch.setattr(sharded_root, "check_lockstep", lambda fact: self.facts.append(fact) or lockstep(fact))
         self.outcome = outcome
         self.root = ShardedRoot(self._watch, lambda module, args: self.training.append(module),
                                 lambda module, outcome: self.disagreed.append((module, outcome)))
@@ -51,14 +52,27 @@ def test_the_module_sharded_last_is_the_root_and_a_block_sharded_after_it_does_n
     model(torch.ones(1, 2))
     model(torch.ones(1, 2))
     assert calls.training == [model] and calls.compared == 1 and calls.disagreed == []
+    # Until the first update every root forward, and that update, say where the rank is; after it nothing does.
+    calls.root.at_first_update()
+    model(torch.ones(1, 2))
+    assert calls.facts == ["forward 1 (no grad)", "forward 2 (gradient sync on)", "forward 3 (gradient sync on)",
+                           "optimizer step after 3 forwards"]
+
+
+def test_ranks_at_different_places_before_the_first_update_end_the_run(monkeypatch):
+    # A rank with its own gradient accumulation: at forward 2 it accumulates while the others reduce-scatter.
+    calls, model = Calls(monkeypatch, AGREE, lockstep=lambda fact: DIFFER if fact.startswith("forward 2") else AGREE), _model()
+    calls.root.add(model)
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    assert calls.disagreed == [(model, DIFFER)] and calls.root.fact == "forward 2 (gradient sync on)"
 
 
 def test_ranks_that_shard_differently_end_the_run_before_training_starts(monkeypatch):
     calls, model = Calls(monkeypatch, DIFFER), _model()
     calls.root.add(model)
     model(torch.ones(1, 2))
-    model(torch.ones(1, 2))
-    assert calls.disagreed == [(model, DIFFER)] and calls.training == [] and calls.compared == 1
+    assert calls.disagreed == [(model, DIFFER)] and calls.training == [] and calls.compared == 1 and calls.facts == []
 
 
 def test_a_sharded_module_outside_the_trained_root_is_bad_input(monkeypatch):
