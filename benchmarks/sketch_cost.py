@@ -19,6 +19,10 @@ With ``--device cuda`` both sketches run on the GPU (the device is synchronised 
 a last line compares the GPU's folded sketch of each bucket with the host's: the sketch must not depend
 on the device type, since ranks on different devices compare sketches.
 
+On the host in fp32 a second table prices the DDP hook's three reads of a bucket (sketch mode): ``buffer / world``
+into the all-reduce target, ‖g‖² and the sketch, as three passes (torch's division and dot, the sketch) and as
+the one pass the hook makes (:func:`healthcheck.measure.host_pass.divide_square_sketch`), in ns per element.
+
     python benchmarks/sketch_cost.py --sizes 1000000 6553600 --k 4096 --repeats 7
     python benchmarks/sketch_cost.py --device cuda --dtype bf16 --sizes 6553600 104857600 1073741824
 """
@@ -119,6 +123,33 @@ def main() -> None:
               f"0 ({table_kib:.0f} KiB sign table, any model) |")
     if agreement:
         print("folded sketch on the GPU against the host's, max |difference| / host norm: " + "; ".join(agreement))
+    if not cuda and dtype == torch.float32:
+        _hook_reads(args.sizes, after, args.repeats, evict)
+
+
+def _hook_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any) -> None:
+    """The hook's division, ‖g‖² and sketch of a host bucket: three passes against one (ns per element)."""
+    import torch
+
+    from healthcheck.measure.host_pass import divide_square_sketch
+
+    print("\n| bucket elements | three passes | one pass | three passes, cold | one pass, cold | one/three (warm, cold) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for numel in sizes:
+        buffer = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        target = torch.empty_like(buffer)
+
+        def three(b: Any = buffer, t: Any = target) -> None:
+            torch.div(b, 8, out=t)
+            torch.dot(b, b)
+            sketch(0, b)
+
+        def one(b: Any = buffer, t: Any = target) -> None:
+            divide_square_sketch(b, t, world=8, k=sketch.dim, seed=sketch.seed, bucket_id=0)
+
+        warm3, warm1 = (_median_ns_per_element(f, numel, repeats) for f in (three, one))
+        cold3, cold1 = (_median_ns_per_element(f, numel, repeats, evict) for f in (three, one))
+        print(f"| {numel:,} | {warm3:.2f} | {warm1:.2f} | {cold3:.2f} | {cold1:.2f} | {warm1 / warm3:.2f}, {cold1 / cold3:.2f} |")
 
 
 if __name__ == "__main__":

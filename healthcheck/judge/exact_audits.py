@@ -55,7 +55,8 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     ``entropy_seeded`` names generators that start from OS entropy unless the code seeds them
     (python's and numpy's, in a script healthcheck did not seed). When their states differ on *every*
     rank, the script never seeded them: that is reported, not judged. Some ranks sharing a state
-    while others differ still fails: a rank that reseeded.
+    while others differ still fails: a rank that reseeded. Likewise their seeds: a seed that differs on
+    every rank is a script seeding per rank on purpose (its own augmentation per rank), reported, not judged.
 
         >>> seed_audit([{"rng_start": {"numpy": str(r)}} for r in range(4)], entropy_seeded=("numpy",)).passed
         True
@@ -70,6 +71,10 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     details: dict[str, Any] = {f: [r[f] for r in ranks] for f in fields}
     for f in fields:
         groups = group_ranks([r[f] for r in ranks])
+        generator = f.removesuffix("_seed")
+        if generator in entropy_seeded and len(groups) == world and world > 1:
+            details.setdefault("seeded_per_rank", []).append(generator)
+            continue
         if len(groups) > 1:
             noun = f.replace("_", " ")
             text = grouping_text(groups, lambda rank, f=f: ranks[rank][f], noun)
@@ -80,6 +85,8 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
             if generators is not None and generator not in generators or generator in drawn_apart:
                 continue
             groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
+            if generator in details.get("seeded_per_rank", ()):
+                continue
             if generator in entropy_seeded and len(groups) == world and world > 1:
                 details.setdefault("unseeded", []).append(generator)
                 continue
@@ -98,6 +105,8 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     seed = f"seed {ranks[0]['seed']}" if "seed" in fields and ranks else "their seeds"
     unseeded = sorted(set(details.get("unseeded", ())))
     note = f" ({' and '.join(unseeded)} never seeded by the code: not judged)" if unseeded else ""
+    if details.get("seeded_per_rank"):
+        note += f" ({' and '.join(details['seeded_per_rank'])} seeded per rank by the code: not judged)"
     states = " and identical RNG states after seeding"
     if details.get("drawn_apart"):
         states = (f"; their RNG states at the first training forward differ ({', '.join(details['drawn_apart'])}) under the "

@@ -5,10 +5,10 @@ bucket, before the all-reduce, the hook still sees this rank's own (undivided, a
 ``no_sync`` micro-steps) gradient, so it records on the device, without a host sync:
 
 * the fp32 squared norm ‖g_i‖² of the bucket;
-* in ``direction="sketch"`` a count sketch of the bucket (k floats); in ``"exact"`` a copy of it;
+* in ``direction="sketch"`` a count sketch of the bucket (k floats); in ``"exact"`` a copy of it
+  (on the host, sketch mode reads the bucket once for the division, ‖g_i‖² and the sketch: :mod:`.host_pass`);
 * after the all-reduce, in a ``.then()`` callback: ⟨g_i, ḡ⟩ and ‖ḡ‖² against the reduced mean,
-  which is the tensor DDP copies into ``.grad``. So cosine-to-mean is exact in both modes
-  without keeping a full-size copy of the gradient.
+  which is the tensor DDP copies into ``.grad``. So cosine-to-mean is exact in both modes.
 
 ``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
 step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With
@@ -27,10 +27,9 @@ result for that pass, and adds two per-rank extras to the step: ``reduction_rel_
 ``reduction_bound_ratio``.
 
 Memory: sketch mode keeps no per-parameter state on a GPU (a 256 KB sign table whatever the model; each
-bucket's all-reduce target is allocated per step, which the caching allocator makes free). On the host it
-keeps each bucket's all-reduce target between steps (one gradient's worth), since a fresh one cost more
-than the division. Exact mode holds a copy of the local gradient between the hook and ``end_step`` plus
-N × ``exact_chunk_numel`` elements per gather.
+bucket's all-reduce target is allocated per step, which the caching allocator makes free); the host keeps the
+targets between steps (one gradient's worth: a fresh one cost more than the division). Exact mode holds a copy
+of the local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel`` elements per gather.
 
 The same class takes an FSDP2 root (a module sharded with ``fully_shard``): it then returns a
 :class:`healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`, with the same arguments, ``end_step``
@@ -50,7 +49,7 @@ import functools
 import time
 from typing import Any
 
-from healthcheck.measure import distributed, runqueue, step_gather
+from healthcheck.measure import distributed, host_pass, runqueue, step_gather
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import dot_fp32, sqnorm_fp32
@@ -156,9 +155,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._arrived = time.perf_counter()  # the last bucket of a step marks the end of its backward compute
         self._waited_at_arrival = self._wait_clock.total
         buffer = bucket.buffer()
-        if buffer.device.type == "cpu":
-            if bucket.is_last():
-                self._queue_release()
+        if buffer.device.type == "cpu" and bucket.is_last():  # only the last bucket's arrival is read
+            self._queue_release()
             self._read_host_clock()
         # The previous sampled step's numbers ride on this step's last all-reduce (see _carry).
         carry = self._carry(buffer) if self.exchange == "carry" and bucket.is_last() else None
@@ -168,7 +166,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         index = bucket.index()
         # Out of place: `buffer` must stay the local gradient until the callback below has
         # taken its dot product with the mean.
-        reduced = self._reduce_target(index, buffer, carry)
+        fused = sampling and self._sketcher is not None and host_pass.fuses(buffer)
+        reduced = self._reduce_target(index, buffer, carry, divide=not fused)
+        if fused:
+            return self._reduce_sketched_host(index, buffer, reduced)
         future = distributed.all_reduce_async(reduced, self._group)
         if not sampling:
             return future.then(functools.partial(self._unload, buffer.numel()))
@@ -182,6 +183,18 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             return future.then(functools.partial(self._keep_reduced, index, numel=buffer.numel()))
         assert self._sketcher is not None
         self._sketch[index] = self._sketcher(index, buffer)
+        return future.then(functools.partial(self._after_reduce, index, buffer))
+
+    def _reduce_sketched_host(self, index: int, buffer: Any, reduced: Any) -> Any:
+        """On the host, the division, ‖g_i‖² and the sketch in one pass (:mod:`.host_pass`), then the all-reduce (not
+        beside it: gloo's threads share the host's cores with this one, so the overlap bought little)."""
+        assert self._sketcher is not None
+        if self._checking_reduction():  # the reduction check reads the local gradient after DDP's copy-back
+            self._local_copy[index] = buffer.clone()
+        self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
+            buffer, reduced[: buffer.numel()], world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
+        )
+        future = distributed.all_reduce_async(reduced, self._group)
         return future.then(functools.partial(self._after_reduce, index, buffer))
 
     def _queue_release(self) -> None:
@@ -243,16 +256,17 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._carried = inflight
         return step_gather.carried_row(inflight, buffer.dtype).to(buffer.device)
 
-    def _reduce_target(self, index: int, buffer: Any, carry: Any = None) -> Any:
-        """``buffer / world`` in a new tensor, which the all-reduce sums in place and DDP copies into ``.grad``;
-        with ``carry``, followed by the ``[world, width]`` block holding this rank's row in its slot (see _carry).
+    def _reduce_target(self, index: int, buffer: Any, carry: Any = None, divide: bool = True) -> Any:
+        """``buffer / world`` in a new tensor (``divide=False``: the caller divides into its first ``buffer.numel()``
+        elements), which the all-reduce sums in place and DDP copies into ``.grad``; with ``carry``, followed by the
+        ``[world, width]`` block holding this rank's row in its slot (see _carry).
 
         On the host it is one kept buffer per bucket: a fresh multi-MiB tensor per bucket and step cost the
         allocator more than the division (measured: 322 µs against 132 µs a step for the two buckets of a
-        0.5M-parameter model). On a GPU the caching allocator makes a fresh one cheap, but it is a second
-        copy of the bucket until DDP has copied the result out; it likely accounts for most of the +2.78 GiB peak
-        measured on an H100 with 1.77 GiB of gradients (README, Measured figures; not verified).
-        DDP has copied the result out before the bucket's next hook, so the buffer is free again by then.
+        0.5M-parameter model). On a GPU the caching allocator makes a fresh one cheap, but it is a second copy of
+        the bucket until DDP has copied the result out: likely most of the +2.78 GiB peak measured on an H100 with
+        1.77 GiB of gradients (README, Measured figures; not verified). DDP copies the result out before the
+        bucket's next hook, so the buffer is free again by then.
         """
         import torch
 
@@ -265,7 +279,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             target = torch.empty(size, dtype=buffer.dtype, device=buffer.device)
             if buffer.device.type == "cpu":
                 self._host_targets[index] = target
-        torch.div(buffer, self._world, out=target[:n])
+        if divide:
+            torch.div(buffer, self._world, out=target[:n])
         if carry is not None:
             target[n:].zero_()
             width = carry.numel()
@@ -284,11 +299,13 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
     def _after_reduce(self, index: int, local: Any, future: Any) -> Any:
         reduced = self._keep_reduced(index, future, local.numel())
-        self._dot[index] = dot_fp32(local, reduced)
+        dot = dot_fp32(local, reduced)
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
         width = -(-reduced.numel() // self._world)
-        own = reduced[self._rank * width : (self._rank + 1) * width]
-        self._mean_sqnorm[index] = sqnorm_fp32(own)
+        own = sqnorm_fp32(reduced[self._rank * width : (self._rank + 1) * width])
+        if local.device.type == "cpu":  # a host scalar read is free, and floats sum without tensor ops (sum_partials)
+            dot, own = float(dot), float(own)
+        self._dot[index], self._mean_sqnorm[index] = dot, own
         return reduced  # DDP copies the returned tensor into the gradients
 
     def _keep_reduced(self, index: int, future: Any, numel: int) -> Any:

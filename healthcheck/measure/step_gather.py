@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from healthcheck.measure import distributed
+from healthcheck.measure import distributed, host_vectors
 from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
 
 #: The fixed columns of the gathered vector, before the extras (sorted by name) and the sketch.
@@ -78,18 +78,15 @@ def pack(
         values = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in measured]
         loss_value, sqnorm_value = values[0], values[1]
         nonfinite = (loss is not None and not math.isfinite(loss_value)) or not math.isfinite(sqnorm_value)
-        header = torch.tensor(
-            [
-                values[0],
-                float("nan") if tokens is None else float(tokens),
-                *values[1:],
-                float(nonfinite),
-                0.0 if loss is None else 1.0,
-                *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
-            ],
-            dtype=torch.float64,
-        )
-        parts = [header]
+        header = [
+            values[0],
+            float("nan") if tokens is None else float(tokens),
+            *values[1:],
+            float(nonfinite),
+            0.0 if loss is None else 1.0,
+            *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
+        ]
+        return host_vectors.pack(header, sketch), names
     else:
         # Device scalars are stacked as they are (no host sync); plain numbers become one tensor at once.
         on_device = torch.stack(
@@ -352,11 +349,16 @@ def complete(inflight: InFlight) -> StepMetrics:
     if inflight.carried:
         sketches = rows[:, (CARRY_PARTS + 1) * width :].to(torch.float64)
         values = decode_header(rows[:, : (CARRY_PARTS + 1) * width].cpu().tolist(), width)
+        gram_rows = (sketches @ sketches.T).cpu().tolist()
+    elif inflight.gram is None and rows.device.type == "cpu":
+        values, gram_rows = host_vectors.header_and_gram(rows, width, inflight.sketch_dim)
     else:
-        sketches = None if inflight.gram is not None else unpack_sketches(rows, width, inflight.sketch_dim)
         values = rows[:, :width].cpu().tolist()
-    gram = inflight.gram if inflight.gram is not None else sketches @ sketches.T
-    gram_rows = gram.cpu().tolist()
+        if inflight.gram is None:
+            sketches = unpack_sketches(rows, width, inflight.sketch_dim)
+            gram_rows = (sketches @ sketches.T).cpu().tolist()
+        else:
+            gram_rows = inflight.gram.cpu().tolist()
 
     def column(name: str) -> list[float]:
         return [row[_COLUMN[name]] for row in values]

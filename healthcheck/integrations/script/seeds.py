@@ -16,6 +16,7 @@ imported before healthcheck started (none can: the script runs after the patches
 from __future__ import annotations
 
 import hashlib
+import numbers
 import sys
 from typing import Any, Optional
 
@@ -27,12 +28,13 @@ def seed_value(value: Any) -> Optional[int]:
     """A seed as an int to compare across ranks: an int as it is, another seed value (a string, bytes, an
     array) as a stable 63-bit digest of it, None for None (the generator then draws from OS entropy).
 
-    >>> seed_value(42), seed_value(None), seed_value("run-7") == seed_value("run-7") != seed_value("run-8")
-    (42, None, True)
+    >>> import numpy as np
+    >>> seed_value(42), seed_value(np.uint32(42)), seed_value(None), seed_value("run-7") == seed_value("run-7") != seed_value("run-8")
+    (42, 42, None, True)
     """
     if value is None:
         return None
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # numpy's integer scalars too
         return int(value)
     try:
         import numpy as np

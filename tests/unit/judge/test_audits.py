@@ -191,6 +191,14 @@ def test_a_python_state_drawn_apart_under_a_known_seed_is_reported_and_an_unknow
     for rank in ranks:  # a script whose python seeding was not seen: no state tells a reseed from an extra draw
         rank["python_seed"] = rank["seed"] = None
     assert not seed_audit(ranks).passed and seed_audit(ranks).ranks == (2,)
+    # A python seed of its own on every rank (random.seed(rank), for an augmentation per rank) is on purpose.
+    ranks = _ranks([42] * 4)
+    for r, rank in enumerate(ranks):
+        rank["python_seed"], rank["rng_start"]["python"], rank["rng_after_first_step"]["python"] = 100 + r, f"p{r}", f"q{r}"
+    outcome = seed_audit(ranks, entropy_seeded=("python", "numpy"))
+    assert outcome.passed and outcome.message.endswith("(python seeded per rank by the code: not judged)"), outcome.message
+    ranks[3]["python_seed"] = 100  # ... but rank 3 sharing rank 0's seed is not
+    assert not seed_audit(ranks, entropy_seeded=("python", "numpy")).passed
     # Drawn apart only during the first step, its start state shared: still judged (training draws nothing there).
     ranks = _ranks([42] * 4)
     ranks[2]["rng_after_first_step"]["python"] = "drawn"

@@ -1,0 +1,71 @@
+"""The DDP hook's three reads of a host bucket in one pass: the all-reduce target, ‖g_i‖² and the sketch.
+
+Why one pass: on a host shared by more ranks than cores, a bucket meets the hook cold (the other ranks'
+time slices and the step's activations have evicted it), and each separate read over it (``buffer / world``
+into the all-reduce target, then ``torch.dot`` for ‖g_i‖², then the fold) paid for memory again. Here the
+bucket is cut into runs of about :data:`RUN_ELEMENTS` elements, a few hundred KiB that stay in a core's L2,
+and each run is divided, squared and folded before the next is read.
+
+The sketch is :func:`healthcheck.measure.sketch.sketch_bucket`'s, run by run (the runs are its plan's, cut
+shorter); the target is ``torch.div(buffer, world)``'s bits (both are IEEE division); ‖g_i‖² adds fp32 dot
+products of the runs in float64.
+
+    >>> import torch
+    >>> from healthcheck.measure.sketch import sketch_bucket
+    >>> x = torch.randn(70_000)
+    >>> target = torch.empty_like(x)
+    >>> sketch, sqnorm = divide_square_sketch(x, target, world=4, k=1021, seed=3, bucket_id=1)
+    >>> torch.equal(target, x / 4), abs(sqnorm - float(x.double().square().sum())) < 1e-3 * sqnorm
+    (True, True)
+    >>> bool(torch.allclose(sketch, sketch_bucket(x, k=1021, seed=3, bucket_id=1), rtol=1e-4, atol=1e-4))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Elements per run: a run of the bucket and of the target (~1 MiB together in fp32) stay in a core's L2
+#: while they are divided, squared and folded. A run holds at least one whole sketch segment.
+RUN_ELEMENTS = 1 << 17
+
+
+def fuses(buffer: Any) -> bool:
+    """Whether :func:`divide_square_sketch` takes ``buffer``: an fp32/fp64 host tensor (numpy reads it in
+    place; a half-precision bucket keeps the separate passes, which upcast it piece by piece)."""
+    import torch
+
+    return buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.float64)
+
+
+def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
+    """Write ``buffer / world`` into ``target``; return (the bucket's sketch, ``[p]`` fp32; ‖buffer‖² as a float).
+
+    Args:
+        buffer: The rank's flat bucket (fp32/fp64 on the host: :func:`fuses`); only read.
+        target: A tensor like ``buffer`` (same numel and dtype) to receive the division.
+        world, k, seed, bucket_id: The divisor, and the sketch's arguments (as :func:`sketch_bucket`'s).
+    """
+    import numpy as np
+    import torch
+
+    from healthcheck.measure.sketch import _fold_host, _partial_host, _rotate_rows_host
+    from healthcheck.measure.sketch_layout import get_layout, plan, sign_table
+
+    lay = get_layout(int(k))
+    x = buffer.detach().reshape(-1).numpy()
+    out = target.reshape(-1).numpy()
+    pieces = plan(x.size, 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
+    tau = sign_table(seed, lay.L, buffer.device).numpy()
+    table = tau.reshape(lay.m, lay.p)
+    acc2 = np.zeros(2 * lay.p, dtype=np.float32)
+    sqnorm = 0.0
+    for piece in pieces:
+        xs = x[piece.lo : piece.hi]
+        np.divide(xs, world, out=out[piece.lo : piece.hi])
+        sqnorm += float(np.dot(xs, xs))
+        if piece.rows:
+            _rotate_rows_host(acc2, _fold_host(xs.reshape(piece.rows, lay.m, lay.p), table), piece.moves(lay.p))
+        else:
+            _partial_host(acc2, xs, tau, piece.u, piece.moves(lay.p)[0])
+    return torch.from_numpy(acc2[: lay.p] + acc2[lay.p :]), sqnorm

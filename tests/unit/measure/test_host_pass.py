@@ -1,0 +1,47 @@
+"""The host's one pass over a bucket: the same target, ‖g‖² and sketch as the three separate passes."""
+
+import math
+
+import pytest
+import torch
+
+from healthcheck.measure import host_pass
+from healthcheck.measure import sketch as SK
+
+K = 31  # p = 31, m = 16, L = 496, T = 15,376: a 40,000-element bucket crosses chunks and has partial segments
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("world", [3, 6, 8])
+def test_the_target_is_torch_divisions_bits(dtype, world):
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(world), dtype=dtype)
+    target = torch.empty_like(x)
+    host_pass.divide_square_sketch(x, target, world=world, k=K, seed=1, bucket_id=0)
+    assert torch.equal(target, torch.div(x, world))
+
+
+@pytest.mark.parametrize("run_elements", [496, 2 * 496 + 1, 1 << 17])
+@pytest.mark.parametrize("n", [17, 496 * 3, 40_000])
+def test_the_sketch_and_the_norm_are_the_separate_passes(monkeypatch, run_elements, n):
+    # Shorter runs cut the plan differently: no bin or sign may change, only the fp32 order of the adds.
+    monkeypatch.setattr(host_pass, "RUN_ELEMENTS", run_elements)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    sketch, sqnorm = host_pass.divide_square_sketch(x, torch.empty_like(x), world=8, k=K, seed=5, bucket_id=2)
+    expected = SK.sketch_bucket(x, k=K, seed=5, bucket_id=2)
+    assert sketch.dtype == torch.float32 and sketch.shape == expected.shape
+    assert torch.allclose(sketch, expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(sqnorm, float) and math.isclose(sqnorm, float(x.double().square().sum()), rel_tol=1e-5)
+
+
+def test_the_buffer_is_only_read_and_a_non_finite_value_shows():
+    x = torch.randn(5_000)
+    x[4_321] = math.inf
+    before = x.clone()
+    _, sqnorm = host_pass.divide_square_sketch(x, torch.empty_like(x), world=2, k=K, seed=0, bucket_id=0)
+    assert torch.equal(x, before) and not math.isfinite(sqnorm)
+
+
+def test_only_full_precision_host_buckets_are_fused():
+    assert host_pass.fuses(torch.zeros(4)) and host_pass.fuses(torch.zeros(4, dtype=torch.float64))
+    assert not host_pass.fuses(torch.zeros(4, dtype=torch.bfloat16))
+    assert not host_pass.fuses(torch.zeros(4, device="meta"))
