@@ -82,11 +82,11 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     drawn_apart: set[str] = set()
     for when, generators in (("rng_start", None), ("rng_after_first_step", ("python", "numpy"))):
         for generator in sorted({g for r in ranks for g in r.get(when, {})}):
-            if generators is not None and generator not in generators or generator in drawn_apart:
+            if generators is not None and generator not in generators:
+                continue
+            if generator in drawn_apart or generator in details.get("seeded_per_rank", ()):  # reported already
                 continue
             groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
-            if generator in details.get("seeded_per_rank", ()):
-                continue
             if generator in entropy_seeded and len(groups) == world and world > 1:
                 details.setdefault("unseeded", []).append(generator)
                 continue

@@ -4,11 +4,12 @@ Why one pass: on a host shared by more ranks than cores, a bucket meets the hook
 time slices and the step's activations have evicted it), and each separate read over it (``buffer / world``
 into the all-reduce target, then ``torch.dot`` for ‖g_i‖², then the fold) paid for memory again. Here the
 bucket is cut into runs of about :data:`RUN_ELEMENTS` elements, a few hundred KiB that stay in a core's L2,
-and each run is divided, squared and folded before the next is read.
+and each run is divided, squared and folded before the next is read. On the 2-core development host the saving
+was within the run-to-run noise (0.55-1.41 of the three passes' time in four runs: README, Measured figures).
 
-The sketch is :func:`healthcheck.measure.sketch.sketch_bucket`'s, run by run (the runs are its plan's, cut
-shorter); the target is ``torch.div(buffer, world)``'s bits (both are IEEE division); ‖g_i‖² adds fp32 dot
-products of the runs in float64.
+The sketch is :func:`healthcheck.measure.sketch.sketch_bucket`'s, by its own host executor with shorter runs,
+which hands each run to the division and the norm before folding it; the target is ``torch.div(buffer, world)``'s
+bits (both are IEEE division); ‖g_i‖² adds fp32 dot products of the runs in float64.
 
     >>> import torch
     >>> from healthcheck.measure.sketch import sketch_bucket
@@ -49,23 +50,17 @@ def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: 
     import numpy as np
     import torch
 
-    from healthcheck.measure.sketch import _fold_host, _partial_host, _rotate_rows_host
-    from healthcheck.measure.sketch_layout import get_layout, plan, sign_table
+    from healthcheck.measure.sketch import _sketch_host
+    from healthcheck.measure.sketch_layout import get_layout, plan
 
     lay = get_layout(int(k))
-    x = buffer.detach().reshape(-1).numpy()
     out = target.reshape(-1).numpy()
-    pieces = plan(x.size, 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
-    tau = sign_table(seed, lay.L, buffer.device).numpy()
-    table = tau.reshape(lay.m, lay.p)
-    acc2 = np.zeros(2 * lay.p, dtype=np.float32)
-    sqnorm = 0.0
-    for piece in pieces:
-        xs = x[piece.lo : piece.hi]
-        np.divide(xs, world, out=out[piece.lo : piece.hi])
-        sqnorm += float(np.dot(xs, xs))
-        if piece.rows:
-            _rotate_rows_host(acc2, _fold_host(xs.reshape(piece.rows, lay.m, lay.p), table), piece.moves(lay.p))
-        else:
-            _partial_host(acc2, xs, tau, piece.u, piece.moves(lay.p)[0])
-    return torch.from_numpy(acc2[: lay.p] + acc2[lay.p :]), sqnorm
+    pieces = plan(buffer.numel(), 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
+    sqnorm = [0.0]
+
+    def divide_and_square(piece: Any, values: Any) -> None:
+        np.divide(values, world, out=out[piece.lo : piece.hi])
+        sqnorm[0] += float(np.dot(values, values))
+
+    sketch = _sketch_host(buffer.reshape(-1), pieces, lay, seed, visit=divide_and_square)
+    return torch.from_numpy(sketch), sqnorm[0]

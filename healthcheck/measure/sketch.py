@@ -140,8 +140,10 @@ def _host_path(device: Any) -> bool:
     return device.type == "cpu"
 
 
-def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int) -> Any:
-    """The sketch of ``x`` (a CPU tensor) by numpy: ``[p]`` fp32.
+def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int, visit: Optional[Any] = None) -> Any:
+    """The sketch of ``x`` (a CPU tensor) by numpy: ``[p]`` fp32. ``visit(piece, values)``, if given, sees each
+    piece's values as a numpy array just before they are folded, while they are in cache
+    (:mod:`healthcheck.measure.host_pass` divides and squares them there).
 
     Why numpy: a DDP bucket of a small model is a few segments, and the torch row loop spent most of its time
     in per-op overhead: on one quiet core a 263K-element bucket took 0.9-1.0 ns per element by torch ops and
@@ -158,6 +160,8 @@ def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int) -> A
     whole = x.detach().numpy() if x.dtype in (torch.float32, torch.float64) else None
     for piece in pieces:
         xs = whole[piece.lo : piece.hi] if whole is not None else x[piece.lo : piece.hi].float().numpy()
+        if visit is not None:
+            visit(piece, xs)
         if piece.rows:
             _rotate_rows_host(acc2, _fold_host(xs.reshape(piece.rows, m, p), table), piece.moves(p))
         else:
