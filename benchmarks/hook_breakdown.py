@@ -4,7 +4,7 @@ The harness model of issue 13 on N gloo ranks, two DDP copies (plain, and monito
 sketch mode with ``every=1``; with ``--mode sketch-carry``, ``exchange="carry"``) stepped alternately,
 one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with
 ``time.thread_time``, the CPU its thread spent inside the monitor's comm hook, its after-the-all-reduce
-callback and ``end_step``, and inside the pieces those call (the sketch, the dot products, the packing,
+callback and ``end_step``, and inside the pieces those call (the norm, sketch and division, the squared norms, the packing,
 the gather's launch or the carried row, the metrics). Prints the median over
 steps, per rank and over ranks, in ms.
 
@@ -33,13 +33,14 @@ import overhead  # noqa: E402  (a sibling script: the arms and the harness model
 #: (module path, attribute, method or None, label), in the order printed; nested pieces after their callers.
 PIECES: tuple[tuple[str, str, str | None, str], ...] = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket", "hook (all of it)"),
-    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_target", "  all-reduce target (buffer / world)"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_measure_local", "  norm, sketch, division (one pass on the host)"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_carry_target", "  carry: the bucket and the block (--mode sketch-carry)"),
     ("healthcheck.measure.sketch", "FoldedSketch", "__call__", "  sketch"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_carry", "  carry: this rank's row (--mode sketch-carry)"),
     ("healthcheck.measure.runqueue", "read", None, "  run-queue clock (hook and end_step)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce", "after the all-reduce (all of it)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_unload", "  the reduced bucket, carried rows taken out"),
-    ("healthcheck.measure.monitor", "dot_fp32", None, "dot products (hook and callback)"),
+    ("healthcheck.measure.monitor", "sqnorm_fp32", None, "squared norms (hook and callback)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "end_step", "end_step (all of it)"),
     ("healthcheck.measure.step_gather", "pack", None, "  pack the step vector"),
     ("healthcheck.measure.distributed", "all_gather_rows_async", None, "  start the all-gather"),

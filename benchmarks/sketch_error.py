@@ -1,9 +1,10 @@
-"""Measure the folded count sketch's pairwise-cosine error against exact mode on real transformer gradients.
+"""Measure the folded count sketch's cosine errors against exact mode on real transformer gradients.
 
 A tiny GPT-2 (2 layers, n_embd 64) is trained on random tokens on N gloo ranks. Each rank holds
 one DDP copy monitored with ``direction="exact"`` and one per sketch width k, all with identical
 weights and data, so every copy sees the same local gradients; the table compares the sketched
-pairwise cosines with the exact ones over every off-diagonal pair of every step.
+pairwise cosines with the exact ones over every off-diagonal pair of every step, and each rank's cosine to
+the mean gradient (sketch mode reads it off the sketches too) with the exact one.
 
     python benchmarks/sketch_error.py --nproc 8 --steps 5
 
@@ -54,6 +55,7 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
                 models[name], direction="exact" if k is None else "sketch", sketch_dim=k or 1, overlap=False
             )
         errors: dict[str, list[float]] = {name: [] for name in directions if name != "exact"}
+        to_mean: dict[str, list[float]] = {name: [] for name in errors}
         for step in range(steps):
             generator = torch.Generator().manual_seed(1000 * step + rank)
             ids = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
@@ -66,6 +68,8 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
             for name in errors:
                 sketch = results[name].pairwise_cosine
                 errors[name] += [abs(sketch[i][j] - exact[i][j]) for i in range(nproc) for j in range(nproc) if i != j]
+                pairs = zip(results[name].cosine_to_mean, results["exact"].cosine_to_mean, strict=True)
+                to_mean[name] += [abs(a - b) for a, b in pairs]
             # One SGD step on the exact copy, mirrored onto the others so all stay identical.
             reference = models["exact"].module
             with torch.no_grad():
@@ -78,7 +82,7 @@ def _worker(nproc: int, steps: int, vocab_size: int, seq_len: int, batch: int) -
         for monitor in monitors.values():
             monitor.close()
         widths = {name: monitors[name]._sketcher.dim for name in errors}
-        return {"errors": errors, "widths": widths} if rank == 0 else None
+        return {"errors": errors, "to_mean": to_mean, "widths": widths} if rank == 0 else None
     finally:
         distributed.destroy_distributed()
 
@@ -99,16 +103,27 @@ def main() -> None:
         _worker, args.nproc, args=(args.nproc, args.steps, args.vocab_size, args.seq_len, args.batch),
         run_id="sketch-error",
     )
-    errors, widths = results[0]["errors"], results[0]["widths"]
+    errors, to_mean, widths = results[0]["errors"], results[0]["to_mean"], results[0]["widths"]
     pairs = len(next(iter(errors.values())))
-    print(f"tiny GPT-2, {args.nproc} gloo ranks, {args.steps} steps, {pairs} ordered rank pairs per k")
-    print("| k | p (bins) | bound sqrt(2/p) on std | rms Δcos | mean \\|Δcos\\| | max \\|Δcos\\| |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    ranks = len(next(iter(to_mean.values())))
+    print(f"tiny GPT-2, {args.nproc} gloo ranks, {args.steps} steps, {pairs} ordered rank pairs and {ranks} rank-steps per k")
+    print("| k | p (bins) | bound sqrt(2/p) on std | rms Δcos | mean \\|Δcos\\| | max \\|Δcos\\| "
+          "| cosine to the mean: rms Δ | max \\|Δ\\| |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k in SKETCH_DIMS:
-        values = errors[f"k={k}"]
+        values, near = errors[f"k={k}"], to_mean[f"k={k}"]
         p = widths[f"k={k}"]
-        rms = math.sqrt(sum(v * v for v in values) / len(values))
-        print(f"| {k} | {p} | {math.sqrt(2 / p):.4f} | {rms:.4f} | {sum(values) / len(values):.4f} | {max(values):.4f} |")
+        print(f"| {k} | {p} | {math.sqrt(2 / p):.4f} | {_rms(values):.4f} | {sum(values) / len(values):.4f} | {max(values):.4f} "
+              f"| {_rms(near):.4f} | {max(near):.4f} |")
+
+
+def _rms(values: list[float]) -> float:
+    """Root mean square.
+
+    >>> _rms([3.0, 4.0]) ** 2
+    12.5
+    """
+    return math.sqrt(sum(v * v for v in values) / len(values))
 
 
 if __name__ == "__main__":

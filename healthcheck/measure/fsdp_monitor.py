@@ -269,11 +269,6 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         # micro-batch): only the sketches describe the accumulated gradient, so everything comes from them.
         return "all" if self._multi_call() else "cosine"
 
-    def _dot_total(self, indices: list[int]) -> Any:
-        import torch
-
-        return torch.zeros((), dtype=torch.float64, device=self._sqnorm[indices[0]].device)
-
     def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
         import torch
 

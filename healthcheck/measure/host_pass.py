@@ -1,24 +1,26 @@
-"""The DDP hook's three reads of a host bucket in one pass: the all-reduce target, ‖g_i‖² and the sketch.
+"""The DDP hook's reads of a host bucket in one pass: the sketch, ‖g_i‖² and the division by the world size.
 
 Why one pass: on a host shared by more ranks than cores, a bucket meets the hook cold (the other ranks'
-time slices and the step's activations have evicted it), and each separate read over it (``buffer / world``
-into the all-reduce target, then ``torch.dot`` for ‖g_i‖², then the fold) paid for memory again. Here the
-bucket is cut into runs of about :data:`RUN_ELEMENTS` elements, a few hundred KiB that stay in a core's L2,
-and each run is divided, squared and folded before the next is read. On the 2-core development host the saving
-was within the run-to-run noise (0.55-1.41 of the three passes' time in four runs: README, Measured figures).
+time slices and the step's activations have evicted it), and each separate read over it (the fold, then
+``torch.dot`` for ‖g_i‖², then ``buffer / world``) paid for memory again. Here the bucket is cut into runs of
+about :data:`RUN_ELEMENTS` elements, a few hundred KiB that stay in a core's L2, and each run is folded,
+squared and divided before the next is read. On the 2-core development host the saving was within the
+run-to-run noise (0.55-1.41 of the separate passes' time in four runs: README, Measured figures).
 
 The sketch is :func:`healthcheck.measure.sketch.sketch_bucket`'s, by its own host executor with shorter runs,
-which hands each run to the division and the norm before folding it; the target is ``torch.div(buffer, world)``'s
-bits (both are IEEE division); ‖g_i‖² adds fp32 dot products of the runs in float64.
+which hands each run to the norm and the division right after folding it; the division is IEEE division, so
+it has ``torch.div(buffer, world)``'s bits, and it may go into ``buffer`` itself (the DDP monitor divides in
+place, as DDP's own hook does); ‖g_i‖² adds fp32 dot products of the runs in float64.
 
     >>> import torch
     >>> from healthcheck.measure.sketch import sketch_bucket
     >>> x = torch.randn(70_000)
-    >>> target = torch.empty_like(x)
-    >>> sketch, sqnorm = divide_square_sketch(x, target, world=4, k=1021, seed=3, bucket_id=1)
-    >>> torch.equal(target, x / 4), abs(sqnorm - float(x.double().square().sum())) < 1e-3 * sqnorm
+    >>> expected_sketch, expected_target = sketch_bucket(x, k=1021, seed=3, bucket_id=1), x / 4
+    >>> exact_sqnorm = float(x.double().square().sum())
+    >>> sketch, sqnorm = divide_square_sketch(x, x, world=4, k=1021, seed=3, bucket_id=1)  # in place
+    >>> torch.equal(x, expected_target), abs(sqnorm - exact_sqnorm) < 1e-3 * exact_sqnorm
     (True, True)
-    >>> bool(torch.allclose(sketch, sketch_bucket(x, k=1021, seed=3, bucket_id=1), rtol=1e-4, atol=1e-4))
+    >>> bool(torch.allclose(sketch, expected_sketch, rtol=1e-4, atol=1e-4))
     True
 """
 
@@ -40,11 +42,13 @@ def fuses(buffer: Any) -> bool:
 
 
 def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
-    """Write ``buffer / world`` into ``target``; return (the bucket's sketch, ``[p]`` fp32; ‖buffer‖² as a float).
+    """Write ``buffer / world`` into ``target``; return (the bucket's sketch, ``[p]`` fp32; ‖buffer‖² as a float),
+    both of ``buffer``'s values before the division.
 
     Args:
-        buffer: The rank's flat bucket (fp32/fp64 on the host: :func:`fuses`); only read.
-        target: A tensor like ``buffer`` (same numel and dtype) to receive the division.
+        buffer: The rank's flat bucket (fp32/fp64 on the host: :func:`fuses`).
+        target: A tensor like ``buffer`` (same numel and dtype) to receive the division: ``buffer`` itself
+            divides in place (each run is divided after it was folded and squared).
         world, k, seed, bucket_id: The divisor, and the sketch's arguments (as :func:`sketch_bucket`'s).
     """
     import numpy as np
@@ -58,9 +62,9 @@ def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: 
     pieces = plan(buffer.numel(), 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
     sqnorm = [0.0]
 
-    def divide_and_square(piece: Any, values: Any) -> None:
-        np.divide(values, world, out=out[piece.lo : piece.hi])
+    def square_and_divide(piece: Any, values: Any) -> None:
         sqnorm[0] += float(np.dot(values, values))
+        np.divide(values, world, out=out[piece.lo : piece.hi])
 
-    sketch = _sketch_host(buffer.reshape(-1), pieces, lay, seed, visit=divide_and_square)
+    sketch = _sketch_host(buffer.reshape(-1), pieces, lay, seed, visit=square_and_divide)
     return torch.from_numpy(sketch), sqnorm[0]

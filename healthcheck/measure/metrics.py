@@ -37,7 +37,7 @@ class StepMetrics:
     per_rank_loss: list[float]  #: NaN where a rank's loss was not measured
     per_rank_tokens: list[int] | None  #: None when any rank passed no token count
     per_rank_grad_norm: list[float]
-    cosine_to_mean: list[float]  #: cos(g_i, ḡ), exact in both direction modes
+    cosine_to_mean: list[float]  #: cos(g_i, ḡ): the sketches' estimate in sketch mode, exact in exact mode
     pairwise_cosine: list[list[float]]  #: N×N, diagonal 1
     loss_std: float  #: population std (ddof=0) over finite losses
     loss_range: float

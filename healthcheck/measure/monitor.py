@@ -6,9 +6,12 @@ bucket, before the all-reduce, the hook still sees this rank's own (undivided, a
 
 * the fp32 squared norm ‖g_i‖² of the bucket;
 * in ``direction="sketch"`` a count sketch of the bucket (k floats); in ``"exact"`` a copy of it
-  (on the host, sketch mode reads the bucket once for the division, ‖g_i‖² and the sketch: :mod:`.host_pass`);
-* after the all-reduce, in a ``.then()`` callback: ⟨g_i, ḡ⟩ and ‖ḡ‖² against the reduced mean,
-  which is the tensor DDP copies into ``.grad``. So cosine-to-mean is exact in both modes.
+  (on the host, sketch mode reads the bucket once for the sketch, ‖g_i‖² and the division: :mod:`.host_pass`);
+* then it divides the bucket by the world size in place and all-reduces it, as DDP's own hook does, and
+  after the all-reduce, in a ``.then()`` callback, takes this rank's 1/N slice of ‖ḡ‖² off the reduced mean.
+
+The cosine to the mean is read off the sketches in sketch mode (as under FSDP2; std <= sqrt(2/p) like the pairwise
+cosines) and off the Gram in exact mode; the norms, ‖ḡ‖² and the losses are exact in both.
 
 ``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
 step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With
@@ -26,10 +29,9 @@ multiple of ``every``) every k-th step also keeps each bucket's local gradient a
 result for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and
 ``reduction_bound_ratio``.
 
-Memory: sketch mode keeps no per-parameter state on a GPU (a 256 KB sign table whatever the model; each
-bucket's all-reduce target is allocated per step, which the caching allocator makes free); the host keeps the
-targets between steps (one gradient's worth: a fresh one cost more than the division). Exact mode holds a copy
-of the local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel`` elements per gather.
+Memory: sketch mode keeps no per-parameter state and no copy of the gradient (a 256 KB sign table whatever the
+model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a
+copy of the local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel`` elements per gather.
 
 The same class takes an FSDP2 root (a module sharded with ``fully_shard``): it then returns a
 :class:`healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`, with the same arguments, ``end_step``
@@ -52,7 +54,7 @@ from typing import Any
 from healthcheck.measure import distributed, host_pass, runqueue, step_gather
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
-from healthcheck.measure.precision import dot_fp32, sqnorm_fp32
+from healthcheck.measure.precision import sqnorm_fp32
 from healthcheck.measure.step_gather import InFlight
 from healthcheck.measure.wait_clock import counted_as_waiting
 
@@ -164,38 +166,43 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if not sampling and carry is None:
             return _plain_average(buffer, self._world, self._group)
         index = bucket.index()
-        # Out of place: `buffer` must stay the local gradient until the callback below has
-        # taken its dot product with the mean.
-        fused = sampling and self._sketcher is not None and host_pass.fuses(buffer)
-        reduced = self._reduce_target(index, buffer, carry, divide=not fused)
-        if fused:
-            return self._reduce_sketched_host(index, buffer, reduced)
+        divided = self._measure_local(index, buffer) if sampling else False
+        if carry is not None:
+            reduced = self._carry_target(index, buffer, carry, divided)
+        else:
+            if not divided:
+                buffer.div_(self._world)  # in place, as DDP's own hook: no second copy of the gradient
+            reduced = buffer
         future = distributed.all_reduce_async(reduced, self._group)
         if not sampling:
             return future.then(functools.partial(self._unload, buffer.numel()))
-        # The local work below overlaps with the all-reduce already in flight.
-        self._sqnorm[index] = sqnorm_fp32(buffer)
-        if self.direction == "exact" or self._checking_reduction():
-            # The bucket becomes the averaged gradient once DDP copies the result back, so the
-            # local gradient is kept as a copy (sketch mode pays this on reduction-check steps only).
-            self._local_copy[index] = buffer.clone()
         if self.direction == "exact":
             return future.then(functools.partial(self._keep_reduced, index, numel=buffer.numel()))
-        assert self._sketcher is not None
-        self._sketch[index] = self._sketcher(index, buffer)
-        return future.then(functools.partial(self._after_reduce, index, buffer))
+        return future.then(functools.partial(self._after_reduce, index, buffer.numel()))
 
-    def _reduce_sketched_host(self, index: int, buffer: Any, reduced: Any) -> Any:
-        """On the host, the division, ‖g_i‖² and the sketch in one pass (:mod:`.host_pass`), then the all-reduce (not
-        beside it: gloo's threads share the host's cores with this one, so the overlap bought little)."""
-        assert self._sketcher is not None
-        if self._checking_reduction():  # the reduction check reads the local gradient after DDP's copy-back
+    def _measure_local(self, index: int, buffer: Any) -> bool:
+        """What the step needs of this rank's local gradient, read before the all-reduce replaces it: ‖g_i‖², the
+        sketch (sketch mode) and a copy (exact mode, and sketch mode on reduction-check steps). Returns whether the
+        bucket was divided by the world size on the way (the host's one pass, :mod:`.host_pass`).
+
+        Nothing else needs the local gradient: in sketch mode the cosine to the mean is the sketches' (as under
+        FSDP2), so the bucket is divided in place and all-reduced as by DDP's own hook. An exact ⟨g_i, ḡ⟩ needed
+        the local bucket to outlive the all-reduce: a second copy of every bucket until DDP had copied the result
+        out (+2.78 GiB on an H100 with 1.77 GiB of gradients), and a read of both after it (~9.5 ms of a 91 ms
+        step there; README, Measured figures).
+        """
+        if self.direction == "exact" or self._checking_reduction():
+            # The bucket becomes the averaged gradient, so the exact pass reads a copy of the local one.
             self._local_copy[index] = buffer.clone()
-        self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
-            buffer, reduced[: buffer.numel()], world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
-        )
-        future = distributed.all_reduce_async(reduced, self._group)
-        return future.then(functools.partial(self._after_reduce, index, buffer))
+        if self._sketcher is not None and host_pass.fuses(buffer):
+            self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
+                buffer, buffer, world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
+            )
+            return True
+        self._sqnorm[index] = sqnorm_fp32(buffer)
+        if self._sketcher is not None:
+            self._sketch[index] = self._sketcher(index, buffer)
+        return False
 
     def _queue_release(self) -> None:
         """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).
@@ -256,35 +263,33 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._carried = inflight
         return step_gather.carried_row(inflight, buffer.dtype).to(buffer.device)
 
-    def _reduce_target(self, index: int, buffer: Any, carry: Any = None, divide: bool = True) -> Any:
-        """``buffer / world`` in a new tensor (``divide=False``: the caller divides into its first ``buffer.numel()``
-        elements), which the all-reduce sums in place and DDP copies into ``.grad``; with ``carry``, followed by the
-        ``[world, width]`` block holding this rank's row in its slot (see _carry).
+    def _carry_target(self, index: int, buffer: Any, carry: Any, divided: bool) -> Any:
+        """The bucket divided by the world size (``divided``: it already is), followed by the ``[world, width]``
+        block holding this rank's row in its slot (see _carry), in a new tensor that the all-reduce sums in place
+        and whose first ``buffer.numel()`` elements DDP copies into ``.grad``.
 
-        On the host it is one kept buffer per bucket: a fresh multi-MiB tensor per bucket and step cost the
+        On the host it is one kept buffer (the last bucket's): a fresh multi-MiB tensor per step cost the
         allocator more than the division (measured: 322 µs against 132 µs a step for the two buckets of a
-        0.5M-parameter model). On a GPU the caching allocator makes a fresh one cheap, but it is a second copy of
-        the bucket until DDP has copied the result out: likely most of the +2.78 GiB peak measured on an H100 with
-        1.77 GiB of gradients (README, Measured figures; not verified). DDP copies the result out before the
-        bucket's next hook, so the buffer is free again by then.
+        0.5M-parameter model). DDP copies the result out before the bucket's next hook, so it is free again by then.
         """
         import torch
 
         n = buffer.numel()
-        size = n if carry is None else n + self._world * carry.numel()
+        size = n + self._world * carry.numel()
         kept = self._host_targets.get(index) if buffer.device.type == "cpu" else None
         if kept is not None and kept.numel() >= size and kept.dtype == buffer.dtype:
-            target = kept[:size]  # with every > 1 the last bucket carries on some steps only: no reallocation
+            target = kept[:size]
         else:
             target = torch.empty(size, dtype=buffer.dtype, device=buffer.device)
             if buffer.device.type == "cpu":
                 self._host_targets[index] = target
-        if divide:
+        if divided:
+            target[:n].copy_(buffer)
+        else:
             torch.div(buffer, self._world, out=target[:n])
-        if carry is not None:
-            target[n:].zero_()
-            width = carry.numel()
-            target[n + self._rank * width : n + (self._rank + 1) * width] = carry
+        target[n:].zero_()
+        width = carry.numel()
+        target[n + self._rank * width : n + (self._rank + 1) * width] = carry
         return target
 
     def _unload(self, numel: int, future: Any) -> Any:
@@ -297,21 +302,21 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         step_gather.receive_carried(carried, reduced[numel:].view(self._world, -1))
         return reduced[:numel]
 
-    def _after_reduce(self, index: int, local: Any, future: Any) -> Any:
-        reduced = self._keep_reduced(index, future, local.numel())
-        dot = dot_fp32(local, reduced)
+    def _after_reduce(self, index: int, numel: int, future: Any) -> Any:
+        reduced = self._keep_reduced(index, future, numel)
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
         width = -(-reduced.numel() // self._world)
         own = sqnorm_fp32(reduced[self._rank * width : (self._rank + 1) * width])
-        if local.device.type == "cpu":  # a host scalar read is free, and floats sum without tensor ops (sum_partials)
-            dot, own = float(dot), float(own)
-        self._dot[index], self._mean_sqnorm[index] = dot, own
+        # A host scalar read is free, and floats sum without tensor ops (sum_partials).
+        self._mean_sqnorm[index] = float(own) if reduced.device.type == "cpu" else own
         return reduced  # DDP copies the returned tensor into the gradients
 
     def _keep_reduced(self, index: int, future: Any, numel: int) -> Any:
         reduced = self._unload(numel, future)
         if self._checking_reduction():
-            self._reduced[index] = reduced
+            # A copy: the bucket was reduced in place, and with gradient_as_bucket_view it is the gradients'
+            # storage, which a script may clip before end_step (script mode ends the step at optimizer.step()).
+            self._reduced[index] = reduced.clone()
         return reduced
 
     # ----------------------------------------------------------------------- step side

@@ -2,8 +2,9 @@
 reduce-scatter): its settings, the per-step partial results its comm hook fills, and ``end_step``.
 
 A monitor's comm hook records, per gradient bucket or parameter group (its *index*) and on the device,
-this rank's ‖g_i‖² (``_sqnorm``), ⟨g_i, ḡ⟩ (``_dot``), its part of ‖ḡ‖² (``_mean_sqnorm``: the parts
-sum to it over ranks) and, in sketch mode, the sketch (``_sketch``). ``end_step`` packs them and starts
+this rank's ‖g_i‖² (``_sqnorm``), its part of ‖ḡ‖² (``_mean_sqnorm``: the parts sum to it over ranks)
+and, in sketch mode, the sketch (``_sketch``), from whose Gram the cosines, the cosine to the mean
+among them, are read. ``end_step`` packs them and starts
 the step's one gather (:mod:`healthcheck.measure.step_gather`); exact mode's Gram and the reduction
 check are the subclass's (:meth:`ConsistencyMonitor._exact_pieces`, :meth:`ConsistencyMonitor._reduction_extras`).
 """
@@ -82,7 +83,6 @@ class ConsistencyMonitor:
         # Per-index partial results of the current step. Each key is written by exactly one hook call
         # or callback (possibly on a comm thread), so no shared tensor is accumulated into concurrently.
         self._sqnorm: dict[int, Any] = {}
-        self._dot: dict[int, Any] = {}
         self._mean_sqnorm: dict[int, Any] = {}
         self._sketch: dict[int, Any] = {}
         # The prime the sketch folds onto divides no tensor dimension of this model (same on every rank).
@@ -234,11 +234,19 @@ class ConsistencyMonitor:
         )
 
     def _dot_total(self, indices: list[int]) -> Any:
-        return sum_partials(self._dot, indices)
+        """The header's ⟨g_i, ḡ⟩ column: a zero, as no monitor measures it. Sketch mode reads the cosine to the mean
+        off the sketches (:meth:`_sketch_gram_use`), exact mode reads everything off its Gram."""
+        first = self._sqnorm[indices[0]]
+        if isinstance(first, float):
+            return 0.0
+        import torch
+
+        return torch.zeros((), dtype=torch.float64, device=first.device)
 
     def _sketch_gram_use(self) -> str:
-        """What sketch mode reads off the sketches' Gram besides the pairwise cosines ("" = nothing)."""
-        return ""
+        """What sketch mode reads off the sketches' Gram besides the pairwise cosines: the cosine to the mean,
+        with the norms and ‖ḡ‖² exact (:attr:`~healthcheck.measure.step_gather.InFlight.from_gram`)."""
+        return "cosine"
 
     def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
         raise NotImplementedError
@@ -247,7 +255,7 @@ class ConsistencyMonitor:
         raise NotImplementedError
 
     def _clear_partials(self) -> None:
-        for partials in (self._sqnorm, self._dot, self._mean_sqnorm, self._sketch):
+        for partials in (self._sqnorm, self._mean_sqnorm, self._sketch):
             partials.clear()
 
     def close(self) -> None:

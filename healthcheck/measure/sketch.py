@@ -142,8 +142,9 @@ def _host_path(device: Any) -> bool:
 
 def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int, visit: Optional[Any] = None) -> Any:
     """The sketch of ``x`` (a CPU tensor) by numpy: ``[p]`` fp32. ``visit(piece, values)``, if given, sees each
-    piece's values as a numpy array just before they are folded, while they are in cache
-    (:mod:`healthcheck.measure.host_pass` divides and squares them there).
+    piece's values as a numpy array right after they were folded, while they are in cache
+    (:mod:`healthcheck.measure.host_pass` squares them and divides them in place there: for an fp32/fp64 ``x``
+    they are a view of it, and nothing reads them again).
 
     Why numpy: a DDP bucket of a small model is a few segments, and the torch row loop spent most of its time
     in per-op overhead: on one quiet core a 263K-element bucket took 0.9-1.0 ns per element by torch ops and
@@ -160,12 +161,12 @@ def _sketch_host(x: Any, pieces: tuple[Piece, ...], lay: Layout, seed: int, visi
     whole = x.detach().numpy() if x.dtype in (torch.float32, torch.float64) else None
     for piece in pieces:
         xs = whole[piece.lo : piece.hi] if whole is not None else x[piece.lo : piece.hi].float().numpy()
-        if visit is not None:
-            visit(piece, xs)
         if piece.rows:
             _rotate_rows_host(acc2, _fold_host(xs.reshape(piece.rows, m, p), table), piece.moves(p))
         else:
             _partial_host(acc2, xs, tau, piece.u, piece.moves(p)[0])
+        if visit is not None:
+            visit(piece, xs)
     return acc2[:p] + acc2[p:]
 
 

@@ -1,4 +1,4 @@
-"""The host's one pass over a bucket: the same target, ‖g‖² and sketch as the three separate passes."""
+"""The host's one pass over a bucket: the same target, ‖g‖² and sketch as the three separate passes, in place too."""
 
 import math
 
@@ -39,6 +39,19 @@ def test_the_buffer_is_only_read_and_a_non_finite_value_shows():
     before = x.clone()
     _, sqnorm = host_pass.divide_square_sketch(x, torch.empty_like(x), world=2, k=K, seed=0, bucket_id=0)
     assert torch.equal(x, before) and not math.isfinite(sqnorm)
+
+
+@pytest.mark.parametrize("run_elements", [496, 1 << 17])
+@pytest.mark.parametrize("world", [3, 8])
+def test_in_place_the_sketch_and_the_norm_are_of_the_values_before_the_division(monkeypatch, run_elements, world):
+    # The DDP monitor divides the bucket itself: each run must be folded and squared before it is divided.
+    monkeypatch.setattr(host_pass, "RUN_ELEMENTS", run_elements)
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(world))
+    original = x.clone()
+    sketch, sqnorm = host_pass.divide_square_sketch(x, x, world=world, k=K, seed=5, bucket_id=2)
+    assert torch.equal(x, torch.div(original, world))
+    assert torch.allclose(sketch, SK.sketch_bucket(original, k=K, seed=5, bucket_id=2), rtol=1e-5, atol=1e-5)
+    assert math.isclose(sqnorm, float(original.double().square().sum()), rel_tol=1e-5)
 
 
 def test_only_full_precision_host_buckets_are_fused():
