@@ -181,16 +181,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         return future.then(functools.partial(self._after_reduce, index, buffer.numel()))
 
     def _measure_local(self, index: int, buffer: Any) -> bool:
-        """What the step needs of this rank's local gradient, read before the all-reduce replaces it: ‖g_i‖², the
-        sketch (sketch mode) and a copy (exact mode, and sketch mode on reduction-check steps). Returns whether the
-        bucket was divided by the world size on the way (the host's one pass, :mod:`.host_pass`).
-
-        Nothing else needs the local gradient: in sketch mode the cosine to the mean is the sketches' (as under
-        FSDP2), so the bucket is divided in place and all-reduced as by DDP's own hook. An exact ⟨g_i, ḡ⟩ needed
-        the local bucket to outlive the all-reduce: a second copy of every bucket until DDP had copied the result
-        out (+2.78 GiB on an H100 with 1.77 GiB of gradients), and a read of both after it (~9.5 ms of a 91 ms
-        step there; README, Measured figures).
-        """
+        """What the step needs of this rank's local gradient before the all-reduce replaces it: ‖g_i‖², the sketch
+        (sketch mode), a copy (exact mode; sketch mode on reduction-check steps). Returns whether the bucket was
+        divided by the world size on the way (the host's one pass, :mod:`.host_pass`). Nothing needs it later: an
+        exact ⟨g_i, ḡ⟩ did, at a copy of every bucket and a second read (README, Measured figures)."""
         if self.direction == "exact" or self._checking_reduction():
             # The bucket becomes the averaged gradient, so the exact pass reads a copy of the local one.
             self._local_copy[index] = buffer.clone()
