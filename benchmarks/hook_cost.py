@@ -2,7 +2,7 @@
 
 Issue 13's GPU measurement: one NCCL rank, a ~1B-parameter ``LlamaForCausalLM`` (random init, bf16
 parameters), micro-batch 4 x 1024 tokens. With one rank there is no consistency to measure, but every
-cost the monitor adds is there: the comm hook's norms, dot products and sketch (or exact mode's copy
+cost the monitor adds is there: the comm hook's norms and sketch (or exact mode's copy
 and gather), the per-step gather and its host sync. Each arm (``plain``: DDP's built-in all-reduce;
 ``sketch``; ``exact``) builds its own DDP model from the same weights and runs ``--warmup`` untimed then
 ``--steps`` timed optimizer steps (forward, backward, ``end_step``, AdamW step); the device is

@@ -162,7 +162,7 @@ class Arm:
 
 
 def _HookOnlyMonitor() -> Any:
-    """The monitor with its comm hook (norms, sketch, dot with the mean) but no per-step gather."""
+    """The monitor with its comm hook (norms, sketch, the ‖ḡ‖² slice) but no per-step gather."""
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
     class HookOnly(WorkerConsistencyMonitor):

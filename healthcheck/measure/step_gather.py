@@ -1,8 +1,9 @@
 """One step's per-rank measurements: packed into one vector, gathered once, turned into StepMetrics.
 
 Every monitor (DDP's comm hook, FSDP2's reduce-scatter) ends a step with the same pieces on each
-rank: the loss and token count, ‖g_i‖², ⟨g_i, ḡ⟩ and this rank's part of ‖ḡ‖² (the parts sum to it;
-or an exact Gram instead), per-rank extras, and in sketch mode a k-float sketch. :func:`launch` packs
+rank: the loss and token count, ‖g_i‖², a ⟨g_i, ḡ⟩ column (zero: read off the sketches or the Gram, see
+:attr:`InFlight.from_gram`) and this rank's part of ‖ḡ‖² (the parts sum to it; or an exact Gram instead),
+per-rank extras, and in sketch mode a k-float sketch. :func:`launch` packs
 them into one float64 vector (the sketch as fp32 bits) and
 starts ONE all-gather; :func:`complete` waits for it, does the step's one host sync and hands the
 numbers to :func:`~healthcheck.measure.metrics.compute_step_metrics`.
