@@ -278,7 +278,7 @@ class RankEvidence(Record):
     )
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
     dataset_digest: Optional[str] = Field(
-        None, description="--script: length and a content hash of a few samples of the training loader's dataset."
+        None, description="--script: length and a content hash of 32 evenly spaced samples of the training loader's dataset."
     )
     batch_facts: dict[str, str] = Field(
         default_factory=dict,

@@ -269,7 +269,7 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
 
     The plan is rebuilt from the DistributedSampler the ranks read through, with the seed most ranks
     share (rank 0's on a tie): a rank whose sampler was seeded apart departs from it, and so does a rank whose
-    sampler splits another dataset (its length and a few samples' hash, ``dataset_digest``). Shards from
+    sampler splits another dataset (its length and 32 samples' hash, ``dataset_digest``). Shards from
     something else (accelerate's batch shards, a per-rank split of the data) are judged for identity and overlap
     only, and only between ranks whose datasets are the same: an index names the same sample only there. There,
     a minority of ranks off the dataset a strict majority reads is named; a per-rank split has no majority. On

@@ -144,6 +144,14 @@ def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness(
     assert observe.dataset_digest(range(0)) is None and observe.dataset_digest({"not": "indexable"}) is None
 
 
+def test_the_dataset_digest_sees_a_changed_block_away_from_the_first_middle_and_last_samples():
+    # Another revision of the file: a tenth of the records differ, none of them the first, the middle or the last.
+    rows = [f"record {i}" for i in range(1000)]
+    revised = rows[:100] + [f"record {i}, revised" for i in range(100, 200)] + rows[200:]
+    assert observe.dataset_digest(rows) != observe.dataset_digest(revised)
+    assert observe.dataset_digest(rows) == observe.dataset_digest(list(rows))
+
+
 def test_the_batch_facts_follow_the_collate_and_not_the_scripts_randomness():
     import random
 
