@@ -42,6 +42,7 @@ from healthcheck.judge.replay_audit import replay_audit
 from healthcheck.judge.shard_audit import batch_audit, data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.judge.spikes import SPIKE_METRICS, spike_audit
+from healthcheck.judge.stale_gradients import stale_gradients_audit
 from healthcheck.measure.evidence import planned_shards
 
 
@@ -78,13 +79,16 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         columns = per_step.setdefault(row["step"], {m: [None] * world for m in per_rank_columns})
         for metric in per_rank_columns:
             columns[metric][row["rank"]] = row.get(metric)
-    if config.script is not None:  # the captured loss's weight in each rank's backward: script mode's capture
+    if config.script is not None:  # script mode's readings: the loss's weight in each rank's backward, stale gradients
         weights: dict[int, list[Any]] = {}
         tokens: dict[int, list[Any]] = {}
+        carried: dict[int, list[Any]] = {}
         for row in rows:
             weights.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("loss_weight")
             tokens.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("tokens")
+            carried.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("grads_carried")
         outcomes["loss_weight"] = loss_weight_audit(weights, tokens)
+        outcomes["stale_gradients"] = stale_gradients_audit(carried)
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]

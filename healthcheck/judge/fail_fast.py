@@ -3,7 +3,8 @@
 Some evidence is final long before the last step: shards that overlap are in the sampler plan before
 the first step, seeds and the environment are known at start-up, and a parameter-hash mismatch, a
 rank whose replay of a shared micro-batch disagrees or a non-finite value is known at its step; a rank
-whose loss enters its backward with another weight, after a few steps (:class:`.loss_weight.LossWeightWatch`). The
+whose loss enters its backward with another weight, after a few steps (:class:`.loss_weight.LossWeightWatch`), and a
+rank that carries its gradients into a step others start cleared (:mod:`.stale_gradients`), at that step. The
 workers judge that evidence with the same pure audits the post-run assembly uses (:mod:`.assemble`),
 on data every rank holds identically after a gather, so every rank reaches the same decision at the same step without another collective.
 
@@ -27,11 +28,17 @@ from __future__ import annotations
 from typing import Mapping, Optional, Sequence
 
 from healthcheck.artifacts import EarlyStop, FailFastPolicy
+from healthcheck.finite import finite_or_none
 from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.loss_weight import LossWeightWatch
+from healthcheck.judge.stale_gradients import stale_gradients_audit
 from healthcheck.ranks import ranks_phrase
 
 #: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
-DECISIVE = ("data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite", "loss_weight")
+DECISIVE = (
+    "data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite", "loss_weight",
+    "stale_gradients",
+)
 
 
 class FailFast:
@@ -71,3 +78,36 @@ class FailFast:
         match) stops the run at ``step``, fail fast or not, and whatever the baseline approves."""
         if self.stop is None:
             self.stop = EarlyStop(step=step, check=check, message=message, unavoidable=True)
+
+
+class StepAudits:
+    """Script mode's exact audits of each step's gathered per-rank values, judged as the steps arrive (the same
+    on every rank), for :meth:`FailFast.judge`.
+
+    >>> audits = StepAudits()
+    >>> audits.add(0, {"loss_weight": [1.0, 1.0], "grads_carried": [0.0, 0.0]}, None)
+    {}
+    >>> audits.add(1, {"loss_weight": [1.0, 1.0], "grads_carried": [0.0, float("nan")]}, None)  # a rank not read
+    {}
+    >>> audits.add(2, {"loss_weight": [1.0, 1.0], "grads_carried": [0.0, 1.0]}, None)["stale_gradients"].ranks
+    (1,)
+    """
+
+    def __init__(self) -> None:
+        self.loss_weights = LossWeightWatch()
+        self.readings: dict[int, list[Optional[float]]] = {}
+
+    def add(
+        self, step: int, extras: Mapping[str, Sequence[Optional[float]]], tokens: Optional[Sequence[Optional[float]]]
+    ) -> dict[str, AuditOutcome]:
+        """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``): the outcomes that fail, by audit name."""
+        outcomes = {}
+        weights = extras.get("loss_weight")
+        if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens)) is not None:
+            outcomes["loss_weight"] = weight_outcome
+        readings = extras.get("grads_carried")
+        if readings is not None:
+            row = self.readings[step] = [finite_or_none(v) for v in readings]  # the gather sends a None as NaN
+            if None not in row and len(set(row)) > 1:
+                outcomes["stale_gradients"] = stale_gradients_audit(self.readings)
+        return outcomes

@@ -15,6 +15,8 @@ with ``rms_norm_eps=1e-5``, as a node whose copy of config.json is another revis
 (rank R's DataLoader takes 2 more samples per batch, as a per-node batch-size override would), ``stale-data-rank=R`` (rank R's copy of the
 data file lacks its first row: same length, other samples at each index), ``no-eos-rank=R`` (rank R's collate
 drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would),
+``no-zero-grad-rank=R`` (rank R never calls ``optimizer.zero_grad()``, as a rank whose call sits in a branch it
+never takes would; DDP still gives every rank the same update, so the parameters stay equal),
 ``matmul-medium-rank=R`` (rank R calls ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch
 config adds: bf16 matmuls in oneDNN, TF32 in cuBLAS) and ``slow-rank=R``
 (rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
@@ -91,8 +93,10 @@ def make_collate(pad_id, drop_eos=False):
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0):
+    def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0,
+                 zero_grad=True):
         self.rank = int(os.environ["RANK"])
+        self.zero_grad = zero_grad
         self.loss_scale = loss_scale
         self.smoothing = smoothing
         self.pause_s = pause_s
@@ -104,7 +108,8 @@ class Trainer:
         self.step = 0
 
     def _run_batch(self, input_ids, attn, labels):
-        self.optimizer.zero_grad()
+        if self.zero_grad:
+            self.optimizer.zero_grad()
         logits = self.model(input_ids=input_ids, attention_mask=attn).logits
         shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)
@@ -165,6 +170,7 @@ def main():
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
+                         "no-zero-grad-rank=R, "
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
@@ -223,7 +229,8 @@ def main():
     loss_scale = 2.0 if faulted("loss-x2-rank") else 1.0
     pause_s = 0.05 if faulted("slow-rank") else 0.0
     smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
-    trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing)
+    trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing,
+                      zero_grad=not faulted("no-zero-grad-rank"))
     if rank == args.look_first_rank:
         trainer.look_first()
     trainer.train()

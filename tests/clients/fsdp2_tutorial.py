@@ -19,7 +19,8 @@ copy of the checkpoint differs in one tensor (a stale file on one node), which F
 ``slow-rank=R``: rank R spends 50 ms after each update (a slow logger or checkpoint writer), so the others wait for
 it in the logging ``all_reduce``, not in FSDP2's collectives. ``accum-rank=R``: rank R accumulates one micro-batch more
 per update than ``--accum`` (a per-node ``gradient_accumulation_steps``): its extra forward all-gathers while the
-others step, which no FSDP2 collective pairs with.
+others step, which no FSDP2 collective pairs with. ``no-zero-grad-rank=R``: rank R never clears its gradients, so
+FSDP2 adds each step's reduce-scattered gradient to its shard's previous one.
 """
 
 import argparse
@@ -96,7 +97,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
-                    "slow-rank=R, accum-rank=R")
+                    "slow-rank=R, accum-rank=R, no-zero-grad-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -150,7 +151,8 @@ def main():
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
-            optimizer.zero_grad()
+            if bugs.get("no-zero-grad-rank") != rank:
+                optimizer.zero_grad()
             if bugs.get("slow-rank") == rank:
                 time.sleep(0.05)
             dist.all_reduce(stats)

@@ -78,17 +78,18 @@ def test_sketch_mode_follows_a_reduce_scatter_per_microbatch(runs):
 
 
 def test_stale_weights_own_clipping_and_a_slow_logger_are_each_named_at_their_rank(tiny_llama, tmp_path):  # noqa: F811
-    # Three faults no replicated state shows under FSDP2: rank 3's checkpoint differs before sharding, rank 1 clips
-    # its own shard at a tenth of the others' max_norm, and rank 0 sleeps 50 ms after its update, so the others wait
+    # Four faults no replicated state shows under FSDP2: rank 3's checkpoint differs before sharding, rank 1 clips
+    # its own shard at a tenth of the others' max_norm, rank 0 sleeps 50 ms after its update, so the others wait
     # for it in the script's logging all_reduce rather than in FSDP2's collectives (before that wait counted toward
-    # blame, this straggler passed). --no-fail-fast: the environment audit would stop the run before step 1.
+    # blame, this straggler passed), and rank 2 never clears its gradients, so its shard adds every step's gradient to
+    # the last. --no-fail-fast: the environment audit would stop the run before step 1.
     out = tmp_path / "run"
     args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=30, extra=("--no-fail-fast",),
-                      script_args=("--clip", "1.0", "--bug", "stale-weights-rank=3,clip-rank=1,slow-rank=0"))
+                      script_args=("--clip", "1.0", "--bug", "stale-weights-rank=3,clip-rank=1,slow-rank=0,no-zero-grad-rank=2"))
     done = run_cli(*args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     failed = failed_ranks(out)
-    assert failed == {"audit.sharded_state": [3], "audit.environment": [1], "audit.stragglers": [0]}, failed
+    assert failed == {"audit.sharded_state": [3], "audit.environment": [1], "audit.stragglers": [0], "audit.stale_gradients": [2]}, failed
     audits = json.loads((out / "result.json").read_text())["audits"]
     assert "lm_head.weight" in audits["sharded_state"]["message"]
     assert audits["environment"]["message"] == (

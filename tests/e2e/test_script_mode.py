@@ -82,6 +82,10 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     # tutorial's loss is computed outside the model) with a surrogate of its outputs.
     replay = audits["replay"]
     assert replay["measured"] and "bit-identical" in replay["message"], (name, replay["message"])
+    # Every client clears its gradients between updates (the Trainer and TRL with model.zero_grad(), accelerate's
+    # optimizer only on its synchronising micro-steps): read at each step's first backward, on every rank.
+    stale = audits["stale_gradients"]
+    assert stale["message"] == f"every rank started each step's backward with cleared gradients ({STEPS} steps)", (name, stale)
 
 
 def test_global_loss_from_the_rows_equals_the_frameworks_own_logged_loss(client_run):
@@ -142,8 +146,9 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # backward: the others wait for it in the next forward's buffer broadcast and in the script's logging all-reduce;
         # neither may land in their step time (measure/wait_clock.py). Rank 1's collate drops the EOS: its indices and
         # dataset agree with everyone's, the batch it makes of the same samples does not (decisive at step 0 otherwise).
-        ("loss-x2-rank=3,slow-rank=2,no-eos-rank=1", 30,
-         {"audit.loss_weight": {3}, "audit.stragglers": {2}, "audit.data_shards": {1}}),
+        # Rank 0 never clears its gradients: DDP still hands every rank the same update (judge/stale_gradients.py).
+        ("loss-x2-rank=3,slow-rank=2,no-eos-rank=1,no-zero-grad-rank=0", 30,
+         {"audit.loss_weight": {3}, "audit.stragglers": {2}, "audit.data_shards": {1}, "audit.stale_gradients": {0}}),
     ],
     ids=["seeds-environment-data", "sampler-eval-smoothing", "loss-x2-slow"],
 )

@@ -35,6 +35,7 @@ from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.forwards import TrainingForwards
+from healthcheck.integrations.script.grad_start import GradientStart
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.seeds import SeedCalls
@@ -42,8 +43,7 @@ from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_f
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.audit_outcome import AuditOutcome
-from healthcheck.judge.fail_fast import FailFast
-from healthcheck.judge.loss_weight import LossWeightWatch
+from healthcheck.judge.fail_fast import FailFast, StepAudits
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.evidence import AuditRecorder
 
@@ -94,7 +94,8 @@ class ScriptSession:
         self._first_step_at = 0.0
         self._train_started = 0.0
         self._last_post = time.perf_counter()
-        self._loss_weights = LossWeightWatch()
+        self._step_audits = StepAudits()
+        self._grad_start: Optional[GradientStart] = None  #: were the gradients cleared before each step's backward
         self._handles: list[Any] = []
         self._patches: Any = None
 
@@ -147,7 +148,8 @@ class ScriptSession:
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
-        self._handles += self.forwards.attach(ddp.module)
+        self._grad_start = GradientStart(ddp)
+        self._handles += self.forwards.attach(ddp.module) + self._grad_start.attach(ddp.module)
         self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
@@ -193,7 +195,8 @@ class ScriptSession:
         )
         # The root's forwards, counted as DDP's are. This one's pre-hooks are already running; its forward hooks,
         # read after the forward, include the one added here.
-        self._handles += self.forwards.attach(module)
+        self._grad_start = GradientStart(module)
+        self._handles += self.forwards.attach(module) + self._grad_start.attach(module)
         self.forwards.before(module, args)
 
     def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
@@ -272,6 +275,7 @@ class ScriptSession:
             self._loss_problem = f"step {step}: {step_loss.reason}"
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
         extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None  # gathered: every rank's, as it stepped
+        extras["grads_carried"] = self._grad_start.take() if self._grad_start is not None else None
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         if self._replay is not None and self._replay.due(step):
             self._replay_round(step)
@@ -284,11 +288,8 @@ class ScriptSession:
         self.hooks.on_metrics(metrics.step, metrics)
         # Every rank sees the same gathered metrics, so all stop after the same step.
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
-        weights = metrics.per_rank_extras.get("loss_weight")
-        if weights is not None and self.fail_fast.policy.enabled:
-            outcome = self._loss_weights.add(metrics.step, weights, metrics.per_rank_tokens)
-            if outcome is not None:
-                self.fail_fast.judge(metrics.step, {"loss_weight": outcome})
+        if self.fail_fast.policy.enabled:  # the exact audits of the steps' gathered values (loss weight, stale gradients)
+            self.fail_fast.judge(metrics.step, self._step_audits.add(metrics.step, metrics.per_rank_extras, metrics.per_rank_tokens))
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer):
@@ -310,6 +311,8 @@ class ScriptSession:
         self.loaders.steps = self.steps_done
         if self._keeper is not None:
             self._keeper.reset()
+        if self._grad_start is not None:
+            self._grad_start.armed_after_step()
         if self.steps_done >= self.config.train.steps or self.fail_fast.stop is not None:
             self._finish()
             raise ProbeComplete()
