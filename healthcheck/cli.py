@@ -19,8 +19,9 @@ from healthcheck.version import __version__
 EXIT_CODES_HELP = """exit codes:
   0  pass: every envelope and audit check passed
   1  silent inconsistency detected: an envelope was violated or an audit failed
-  2  invalid input: bad config or --set, bad/corrupt baseline, no baseline for this probe,
-     missing model dir or data file, unwritable output directory
+  2  invalid input: bad config or --set, bad/corrupt baseline, no baseline for this probe or one
+     recorded for another layout or training program, a config whose statistical window is
+     empty, missing model dir or data file, unwritable output directory
   3  the probe could not finish: a worker crashed or hung (timeout), or it was interrupted
 """
 
@@ -176,10 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_probe(args) -> int:
+    from healthcheck.config.window import empty_window
     from healthcheck.gate import gate_run
     from healthcheck.run.probe import run_probe
 
     config = _load(args)
+    empty = empty_window(config) if not (args.audits_only or args.no_judge) else None
+    if empty:  # every envelope would fail as "not recorded": refused before any worker starts
+        raise InvalidInput(f"{empty}: no envelope can be judged; raise train.steps, lower metrics.warmup_steps, or pass --audits-only")
     baseline_path = args.baseline or config.baseline_path()
     result, run_dir = run_probe(config, args.out, verbose=args.verbose, fail_fast=_fail_fast_policy(args, baseline_path))
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
@@ -248,7 +253,11 @@ def cmd_baseline(args) -> int:
 
         if args.repeats < 3:
             raise InvalidInput(f"--repeats: at least 3 probes are needed to fit an envelope, got {args.repeats}")
+        from healthcheck.config.window import empty_window
+
         config = _load(args)
+        if empty := empty_window(config):
+            raise InvalidInput(f"{empty}: no envelope can be fitted; raise train.steps or lower metrics.warmup_steps")
         built = record_baseline(config, args.repeats, runs_root=args.runs_root, reason=args.reason, approved_by=args.approved_by)
         output = args.output or config.baseline_path()
     baselines.save_baseline(built, output)

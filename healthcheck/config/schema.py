@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from healthcheck.config.names import NAME_PATTERN, script_probe_name
 from healthcheck.typed import field_path
 
 #: Offset added to rank 0's seed under ``seed_policy: rank0_differs``. With the default seed 42 rank 0
@@ -39,7 +40,6 @@ ALPACA_PROMPT_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
 class _Section(BaseModel):
@@ -326,6 +326,10 @@ class ProbeConfig(_Section):
                 f"script: {', '.join(unusable)} configure the built-in probe and cannot apply to a --script probe "
                 "(the script builds its own model, data, optimizer and DDP); remove them"
             )
+        if "name" not in self.model_fields_set:
+            # Named for its script: its baseline (baselines/<name>.json) and run directories never take the built-in
+            # probe's "default". Set past validate_assignment, which would run this validator again.
+            self.__dict__["name"] = script_probe_name(self.script.path)
         return self
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -162,6 +162,30 @@ def _layout_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
     return None
 
 
+def _subject_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
+    """Whether the baseline was recorded for another training program: the built-in probe against a script, or
+    scripts of different file names (the same name in another directory is the same script checked out elsewhere).
+
+    >>> from types import SimpleNamespace as NS
+    >>> run = NS(config=NS(script=NS(path="jobs/train.py")))
+    >>> _subject_mismatch(run, NS(config={"script": None}))
+    'baseline was recorded for the built-in probe, this run probes the script train.py'
+    >>> _subject_mismatch(run, NS(config={"script": {"path": "/ci/checkout/jobs/train.py"}})) is None
+    True
+    """
+    recorded = (baseline.config.get("script") or {}).get("path")
+    probed = result.config.script.path if result.config.script is not None else None
+
+    def subject(path: Optional[str]) -> str:
+        return f"the script {PurePath(path).name}" if path else "the built-in probe"
+
+    if recorded is None and probed is None:
+        return None
+    if recorded is not None and probed is not None and PurePath(recorded).name == PurePath(probed).name:
+        return None
+    return f"baseline was recorded for {subject(recorded)}, this run probes {subject(probed)}"
+
+
 def judge(
     result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False, record_hint: Optional[str] = None
 ) -> Verdict:
@@ -169,14 +193,23 @@ def judge(
 
     Raises:
         ProbeFailed: The run did not complete; an unfinished probe is never judged as pass (exit 3).
-        BaselineError: The baseline's world size or device type differs from the run's and
-            ``force`` is False (exit 2).
+        BaselineError: The baseline's world size or device type differs from the run's, or it was recorded for
+            another training program (the built-in probe against a script, another script), and ``force`` is
+            False (exit 2).
     """
     if result.status != "complete":
         raise ProbeFailed(
             f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); an unfinished probe is not judged"
         )
     notes = []
+    program = _subject_mismatch(result, baseline)
+    if program and not force:
+        raise BaselineError(
+            f"{baseline_path or 'baseline'}: {program}; envelopes do not transfer between training programs. "
+            f"Record one for it ({record_hint or record_command()}), pass --baseline FILE, or --force to compare anyway"
+        )
+    if program:
+        notes.append(f"forced comparison: {program}; the envelopes may not apply to it")
     mismatch = _layout_mismatch(result, baseline)
     if mismatch and not force:
         raise BaselineError(

@@ -53,6 +53,8 @@ print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transforme
         ["--set", "model.name=./no/such/model"],
         ["--script", "/no/such/train.py"],
         ["--set", "distributed.device=npu"],
+        # Judged against a baseline, a window with no step (train.steps <= metrics.warmup_steps) fails every envelope.
+        ["--set", "train.steps=8"],
     ],
 )
 def test_probe_refuses_bad_input_before_torch_loads(tmp_path, argv):
@@ -122,3 +124,9 @@ def test_version_and_help_exit_0(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 0
+
+
+def test_an_empty_window_is_refused_by_baseline_record():
+    code, _, err = run_main(["baseline", "record", "--set", "train.steps=4", "--repeats", "3"])
+    assert code == ExitCode.INVALID_INPUT and err.count("\n") == 1
+    assert "train.steps 4 ends before metrics.warmup_steps 10" in err and "no envelope can be fitted" in err

@@ -137,6 +137,32 @@ def test_world_size_mismatch_refuses_unless_forced(baseline):
     assert not judge(make_result(typical()), baseline).forced
 
 
+def test_a_baseline_of_another_training_program_refuses_unless_forced(baseline):
+    # The built-in probe's baseline (baselines/default.json) met a script probe of the same layout: every envelope
+    # judged another program's statistics, and a clean script failed 8 of 20 checks.
+    script = make_result(typical(), config=ProbeConfig(script={"path": "jobs/train.py"}))
+    with pytest.raises(BaselineError) as excinfo:
+        judge(script, baseline, baseline_path="baselines/default.json")
+    message = excinfo.value.message
+    assert message.startswith("baselines/default.json: baseline was recorded for the built-in probe, this run probes "
+                              "the script train.py") and "--force" in message and "\n" not in message
+    verdict = judge(script, baseline, force=True)
+    assert any(note.startswith("forced comparison: baseline was recorded for the built-in probe") for note in verdict.notes)
+    recorded = baseline.model_copy(update={"config": {**baseline.config, "script": {"path": "/ci/checkout/jobs/train.py"}}})
+    assert not judge(script, recorded).forced  # the same script, checked out elsewhere
+    other = make_result(typical(), config=ProbeConfig(script={"path": "jobs/eval.py"}))
+    with pytest.raises(BaselineError, match="recorded for the script train.py, this run probes the script eval.py"):
+        judge(other, recorded)
+    with pytest.raises(BaselineError, match="recorded for the script train.py, this run probes the built-in probe"):
+        judge(make_result(typical()), recorded)
+
+
+def test_a_script_probe_is_named_for_its_script_unless_named():
+    assert ProbeConfig(script={"path": "jobs/train_sft.py"}).baseline_path().as_posix() == "baselines/train_sft.json"
+    assert ProbeConfig(name="nightly", script={"path": "jobs/train_sft.py"}).name == "nightly"
+    assert ProbeConfig().name == "default"
+
+
 @pytest.mark.parametrize("status", ["incomplete", "interrupted", "running"])
 def test_unfinished_run_is_never_judged(baseline, status):
     with pytest.raises(ProbeFailed) as excinfo:
