@@ -202,22 +202,22 @@ def judge(
             f"probe {result.name} is {result.status} ({result.failure or 'no reason recorded'}); an unfinished probe is not judged"
         )
     notes = []
-    program = _subject_mismatch(result, baseline)
-    if program and not force:
-        raise BaselineError(
-            f"{baseline_path or 'baseline'}: {program}; envelopes do not transfer between training programs. "
-            f"Record one for it ({record_hint or record_command()}), pass --baseline FILE, or --force to compare anyway"
-        )
-    if program:
-        notes.append(f"forced comparison: {program}; the envelopes may not apply to it")
-    mismatch = _layout_mismatch(result, baseline)
-    if mismatch and not force:
-        raise BaselineError(
-            f"{baseline_path or 'baseline'}: {mismatch}; envelopes do not transfer across layouts. "
-            f"Re-record for this layout ({record_hint or record_command()}) or pass --force to compare anyway"
-        )
-    if mismatch:
-        notes.append(f"forced comparison: {mismatch}; the envelopes may not apply to this layout")
+    hint = record_hint or record_command()
+    # (what differs, what the envelopes do not transfer between, the remedy, what they may not apply to)
+    refusals = [
+        (_subject_mismatch(result, baseline), "between training programs", f"Record one for it ({hint}), pass --baseline FILE,", "it"),
+        (_layout_mismatch(result, baseline), "across layouts", f"Re-record for this layout ({hint})", "this layout"),
+    ]
+    forced = False
+    for mismatch, between, remedy, subject in refusals:
+        if mismatch and not force:
+            raise BaselineError(
+                f"{baseline_path or 'baseline'}: {mismatch}; envelopes do not transfer {between}. "
+                f"{remedy} or pass --force to compare anyway"
+            )
+        if mismatch:
+            forced = True
+            notes.append(f"forced comparison: {mismatch}; the envelopes may not apply to {subject}")
     if baseline.name != result.name:
         notes.append(f"baseline is for probe {baseline.name!r}, this run is probe {result.name!r}")
     findings = []
@@ -231,7 +231,7 @@ def judge(
     return Verdict.collect(
         findings,
         baseline_path=baseline_path,
-        forced=mismatch is not None,
+        forced=forced,
         notes=notes,
         config_diff=diff,
         stopped_early=result.stopped_early.headline() if result.stopped_early else None,

@@ -147,6 +147,7 @@ def test_a_baseline_of_another_training_program_refuses_unless_forced(baseline):
     assert message.startswith("baselines/default.json: baseline was recorded for the built-in probe, this run probes "
                               "the script train.py") and "--force" in message and "\n" not in message
     verdict = judge(script, baseline, force=True)
+    assert verdict.forced
     assert any(note.startswith("forced comparison: baseline was recorded for the built-in probe") for note in verdict.notes)
     recorded = baseline.model_copy(update={"config": {**baseline.config, "script": {"path": "/ci/checkout/jobs/train.py"}}})
     assert not judge(script, recorded).forced  # the same script, checked out elsewhere
