@@ -3,11 +3,15 @@
 Issue 13's GPU measurement: one NCCL rank, a ~1B-parameter ``LlamaForCausalLM`` (random init, bf16
 parameters), micro-batch 4 x 1024 tokens. With one rank there is no consistency to measure, but every
 cost the monitor adds is there: the comm hook's norms and sketch (or exact mode's copy
-and gather), the per-step gather and its host sync. Each arm (``plain``: DDP's built-in all-reduce;
-``sketch``; ``exact``) builds its own DDP model from the same weights and runs ``--warmup`` untimed then
-``--steps`` timed optimizer steps (forward, backward, ``end_step``, AdamW step); the device is
-synchronised around each step. Prints per arm the median step time, the hook's cost as a fraction of
-the plain step, and the peak memory (``torch.cuda.max_memory_allocated``; CPU: not measured).
+and gather), the per-step gather and its host sync. Each arm builds its own DDP model from the same weights and
+runs ``--warmup`` untimed then ``--steps`` timed optimizer steps (forward, backward, ``end_step``, AdamW step);
+the device is synchronised around each step. The arms: ``plain`` (DDP's built-in all-reduce), ``hook-only`` (the
+monitor's comm hook closed at once, so it only averages: a Python comm hook's own cost), ``sketch`` (on CUDA
+with Triton, the fused kernel of :mod:`healthcheck.measure.sketch_kernel`), ``sketch-torch`` (the same with
+``HEALTHCHECK_SKETCH_KERNEL=torch``) and ``exact``. Prints per arm the median and mean step time, the hook's cost
+as a fraction of the plain step, and the peak memory (``torch.cuda.max_memory_allocated``, counted from what was
+allocated when the arm began; CPU: not measured). ``--pieces`` adds the wall time a timed step spends inside the
+monitor's hook, kernel call, after-all-reduce callback and ``end_step``.
 
     python benchmarks/hook_cost.py                                   # CUDA + NCCL, the ~1B model
     python benchmarks/hook_cost.py --device cpu --layers 1 --hidden 64 --intermediate 128 --vocab 256 \\
@@ -24,7 +28,40 @@ import statistics
 import time
 from typing import Any
 
-ARMS = ("plain", "sketch", "exact")
+ARMS = ("plain", "hook-only", "sketch", "sketch-torch", "exact")
+#: ``sketch-torch``: sketch mode with the fused kernel switched off (healthcheck.measure.sketch_kernel), to price it.
+KERNEL_OFF = {"sketch-torch": "torch"}
+#: ``hook-only``: the monitor's comm hook closed at once, so it only averages, as DDP's built-in all-reduce does:
+#: what a Python comm hook costs by itself.
+#: ``--pieces``: wall time a step spends inside these (module, class, method), printed per monitored arm.
+PIECES = (
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket"),
+    ("healthcheck.measure.sketch", "FoldedSketch", "with_sqnorm"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce"),
+    ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "end_step"),
+)
+
+
+def timed_pieces() -> tuple[dict[str, float], Any]:
+    """Wrap :data:`PIECES` to add up their wall seconds; returns the totals and an undo."""
+    import importlib
+
+    totals: dict[str, float] = {}
+    undo = []
+    for module, owner, name in PIECES:
+        cls = getattr(importlib.import_module(module), owner)
+        original = cls.__dict__[name]
+
+        def wrapped(*a: Any, _f: Any = original, _k: str = f"{owner}.{name}", **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _f(*a, **kw)
+            finally:
+                totals[_k] = totals.get(_k, 0.0) + time.perf_counter() - start
+
+        setattr(cls, name, wrapped)
+        undo.append((cls, name, original))
+    return totals, lambda: [setattr(c, n, o) for c, n, o in undo]
 
 
 def build(args: argparse.Namespace, device: Any) -> Any:
@@ -36,7 +73,8 @@ def build(args: argparse.Namespace, device: Any) -> Any:
                          num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
                          max_position_embeddings=args.seq, tie_word_embeddings=False)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialised where it runs: a 1B model's random init on the host takes longer than its steps
+        return LlamaForCausalLM(config).to(dtype=dtype)
 
 
 def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -> dict[str, float]:
@@ -45,10 +83,18 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
 
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = build(args, device)
     model.load_state_dict(base_state)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    monitor = None if arm == "plain" else WorkerConsistencyMonitor(ddp, direction=arm, sketch_dim=args.sketch_dim)
+    from healthcheck.measure.sketch import KERNEL_SWITCH
+
+    os.environ[KERNEL_SWITCH] = KERNEL_OFF.get(arm, "triton")
+    direction = "sketch" if arm == "hook-only" else arm.split("-")[0]
+    monitor = None if arm == "plain" else WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=args.sketch_dim, every=args.every)
+    if arm == "hook-only":
+        monitor.close()
+    pieces, undo = timed_pieces() if args.pieces and arm != "plain" else ({}, None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
@@ -72,7 +118,7 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
         start = time.perf_counter()
         loss = ddp(input_ids=ids, labels=ids).loss
         loss.backward()
-        if monitor is not None:
+        if monitor is not None and arm != "hook-only":
             monitor.end_step(loss.detach(), tokens=ids.numel())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -80,6 +126,8 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
             torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+        elif step == args.warmup - 1:
+            pieces.clear()  # the timed steps' alone
         if profiler is not None:
             profiler.step()
     if profiler is not None:
@@ -92,15 +140,20 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
             print(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile))
         if args.trace:
             profiler.export_chrome_trace(f"{args.trace}-{arm.replace('+', '-')}.json")
+    if undo is not None:
+        undo()
+        print(f"arm {arm}, wall ms per timed step inside: " + ", ".join(f"{k} {v * 1000 / args.steps:.2f}" for k, v in pieces.items()))
     if monitor is not None:
         monitor.flush()
         monitor.close()
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    # Over what was allocated before the arm began: an earlier arm's DDP model is not always freed (DDP keeps
+    # its comm hook's state, the monitor, which keeps the model), and its memory is not this arm's.
+    peak = (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**30 if device.type == "cuda" else float("nan")
     del ddp, model, optimizer, monitor
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_ms": statistics.median(times) * 1000, "peak_gib": peak}
+    return {"step_ms": statistics.median(times) * 1000, "mean_ms": statistics.fmean(times) * 1000, "peak_gib": peak}
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -115,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--sketch-dim", type=int, default=4096)
+    parser.add_argument("--every", type=int, default=1, help="the monitor measures every N-th step (metrics.every)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -122,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         "--profile", type=int, default=0, metavar="ROWS",
         help="print torch.profiler's top ROWS ops of each arm's timed steps (timed with the profiler on)"
     )
+    parser.add_argument("--pieces", action="store_true", help="print the wall time a timed step spends in the monitor's pieces")
     parser.add_argument("--trace", default="", metavar="PREFIX", help="with --profile: write each arm's chrome trace to PREFIX-ARM.json")
     args = parser.parse_args(argv)
     if args.trace and not args.profile:
@@ -144,18 +199,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         del base
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{name}: LlamaForCausalLM {params / 1e9:.2f}B params, {args.dtype}, micro-batch {args.batch} x {args.seq}, "
-              f"one rank ({dist.get_backend()}), {args.steps} timed steps per arm")
+              f"one rank ({dist.get_backend()}), {args.steps} timed steps per arm, every={args.every}")
         results = {arm: run_arm(arm, state, args, device) for arm in args.arms}
     finally:
         dist.destroy_process_group()
     plain = results.get("plain")
-    print("| arm | step ms (median) | hook cost (fraction of the plain step) | peak memory GiB | vs plain |")
-    print("|---|---:|---:|---:|---:|")
+    # With --every N the measured steps are 1 in N, so the mean is the cost a run pays; the median is a typical step.
+    print("| arm | step ms (median) | hook cost (fraction of the plain step) | step ms (mean) | cost on the mean "
+          "| peak memory GiB | vs plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for arm, row in results.items():
         cost = f"{row['step_ms'] / plain['step_ms'] - 1:+.2%}" if plain and arm != "plain" else "-"
         extra = f"{row['peak_gib'] - plain['peak_gib']:+.2f}" if plain and arm != "plain" and device.type == "cuda" else "-"
         peak = f"{row['peak_gib']:.2f}" if device.type == "cuda" else "n/a (CPU)"
-        print(f"| {arm} | {row['step_ms']:.1f} | {cost} | {peak} | {extra} |")
+        mean_cost = f"{row['mean_ms'] / plain['mean_ms'] - 1:+.2%}" if plain and arm != "plain" else "-"
+        print(f"| {arm} | {row['step_ms']:.1f} | {cost} | {row['mean_ms']:.1f} | {mean_cost} | {peak} | {extra} |")
     return results
 
 

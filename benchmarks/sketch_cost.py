@@ -125,6 +125,38 @@ def main() -> None:
         print("folded sketch on the GPU against the host's, max |difference| / host norm: " + "; ".join(agreement))
     if not cuda and dtype == torch.float32:
         _hook_reads(args.sizes, after, args.repeats, evict)
+    if cuda:
+        _kernel_reads(args.sizes, after, args.repeats, evict, dtype)
+
+
+def _kernel_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any, dtype: Any) -> None:
+    """A GPU bucket's sketch and ‖g‖²: the torch executor and ``vector_norm`` (two calls, ~25 launches) against
+    the Triton kernel's one read (:mod:`healthcheck.measure.sketch_kernel`), in ns per element and launches."""
+    import torch
+
+    from healthcheck.measure import sketch_kernel
+    from healthcheck.measure.precision import sqnorm_fp32
+
+    print("\n| bucket elements | sketch + ‖g‖², torch | the kernel | torch, cold | kernel, cold | kernel/torch (warm, cold) "
+          "| kernel vs host sketch, max \\|Δ\\| / norm | ‖g‖² rel. error vs fp64 |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for numel in sizes:
+        host = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+        buffer = host.cuda()
+
+        def torch_path(b: Any = buffer) -> Any:
+            return sketch(0, b), sqnorm_fp32(b)
+
+        def kernel(b: Any = buffer) -> Any:
+            return sketch_kernel.sketch_and_sqnorm(b, k=sketch.dim, seed=sketch.seed, bucket_id=0)
+
+        timed = [_median_ns_per_element(f, numel, repeats, e, torch.cuda.synchronize) for e in (None, evict) for f in (torch_path, kernel)]
+        got, sqnorm = kernel()
+        on_host = sketch(0, host)
+        exact = float(host.double().square().sum())
+        print(f"| {numel:,} | {timed[0]:.3f} | {timed[1]:.3f} | {timed[2]:.3f} | {timed[3]:.3f} | {timed[1] / timed[0]:.2f}, "
+              f"{timed[3] / timed[2]:.2f} | {float((got.cpu() - on_host).abs().max() / on_host.norm()):.1e} | "
+              f"{abs(float(sqnorm) - exact) / exact:.1e} |")
 
 
 def _hook_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any) -> None:

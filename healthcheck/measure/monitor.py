@@ -182,21 +182,22 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
     def _measure_local(self, index: int, buffer: Any) -> bool:
         """What the step needs of this rank's local gradient before the all-reduce replaces it: ‖g_i‖², the sketch
-        (sketch mode), a copy (exact mode; sketch mode on reduction-check steps). Returns whether the bucket was
-        divided by the world size on the way (the host's one pass, :mod:`.host_pass`). Nothing needs it later: an
-        exact ⟨g_i, ḡ⟩ did, at a copy of every bucket and a second read (README, Measured figures)."""
+        (sketch mode), a copy (exact mode; sketch mode on reduction-check steps). Returns whether the bucket was divided
+        by the world size on the way (sketch mode: :mod:`.host_pass`, :mod:`.sketch_kernel`). Nothing needs it later:
+        an exact ⟨g_i, ḡ⟩ did, at a copy of every bucket and a second read (README, Measured figures)."""
         if self.direction == "exact" or self._checking_reduction():
             # The bucket becomes the averaged gradient, so the exact pass reads a copy of the local one.
             self._local_copy[index] = buffer.clone()
-        if self._sketcher is not None and host_pass.fuses(buffer):
+        if self._sketcher is None:
+            self._sqnorm[index] = sqnorm_fp32(buffer)
+            return False
+        if host_pass.fuses(buffer):
             self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
                 buffer, buffer, world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
             )
-            return True
-        self._sqnorm[index] = sqnorm_fp32(buffer)
-        if self._sketcher is not None:
-            self._sketch[index] = self._sketcher(index, buffer)
-        return False
+        else:  # on a GPU one kernel reads and divides the bucket (sketch_kernel): each launch costs the autograd thread
+            self._sketch[index], self._sqnorm[index] = self._sketcher.with_sqnorm(index, buffer, divide_by=self._world)
+        return True
 
     def _queue_release(self) -> None:
         """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).

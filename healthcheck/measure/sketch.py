@@ -57,16 +57,23 @@ launch costs host time on the autograd thread: the fold multiplies in the gradie
 fp32, many rows rotate in one gather, a partial segment folds as a zero-padded full one, and each run's
 rotations and signs are cached on the device (12 bytes per segment, at most 4096 runs: bounded, not per
 parameter). On an H100 this took a 1.07B-element bf16 bucket from 0.05 to 0.01 ns per element.
+
+On CUDA with Triton the DDP monitor's hook calls :meth:`FoldedSketch.with_sqnorm`, which runs
+:mod:`healthcheck.measure.sketch_kernel` instead: the same sketch, ‖x‖² and DDP's division in one kernel, because
+there the hook's host time per launch, not the GPU's, was the cost.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
 
+from healthcheck.measure.precision import sqnorm_fp32
 from healthcheck.measure.sketch_layout import (  # noqa: F401  (re-exported: the sketch's public layout helpers)
     Layout,
     Piece,
@@ -268,6 +275,30 @@ def _partial_padded(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float
     acc2[r : r + p].add_(folded[0], alpha=eps)
 
 
+#: ``HEALTHCHECK_SKETCH_KERNEL=torch`` keeps a GPU on the torch executor (read per bucket: how a benchmark prices
+#: the kernel in one process).
+KERNEL_SWITCH = "HEALTHCHECK_SKETCH_KERNEL"
+_KERNEL_OFF: list[BaseException] = []  # set when the kernel failed once in this process: it is not tried again
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_module() -> Any:
+    try:
+        from healthcheck.measure import sketch_kernel
+    except ImportError:  # no Triton: the torch executor
+        return None
+    return sketch_kernel
+
+
+def _kernel_for(x: Any) -> Any:
+    """:mod:`.sketch_kernel` if it takes ``x`` (a contiguous CUDA tensor, Triton installed, not switched off), else None.
+    The device is looked at first, so a host run never imports Triton."""
+    if x.device.type != "cuda" or _KERNEL_OFF or os.environ.get(KERNEL_SWITCH) == "torch":
+        return None
+    module = _kernel_module()
+    return module if module is not None and module.usable(x) else None
+
+
 class FoldedSketch:
     """The monitor's per-bucket sketch: ``sketch(index, buffer)`` -> fp32 [dim], identical on every rank.
 
@@ -285,6 +316,30 @@ class FoldedSketch:
 
     def __call__(self, index: int, buffer: Any) -> Any:
         return sketch_bucket(buffer, k=self.dim, seed=self.seed, bucket_id=index)
+
+    def with_sqnorm(self, index: int, buffer: Any, divide_by: int = 1) -> tuple[Any, Any]:
+        """``(self(index, buffer), ‖buffer‖²)`` in fp32, of ``buffer`` as it was; then, with ``divide_by`` > 1,
+        ``buffer /= divide_by`` in place (DDP's averaging, the same bits). On CUDA with Triton that is one read and
+        write of the bucket by one kernel (:mod:`healthcheck.measure.sketch_kernel`); elsewhere the sketch, then
+        ``sqnorm_fp32``, then ``div_``.
+
+        >>> x = torch.arange(10.0)
+        >>> want = FoldedSketch(31, seed=0)(2, x)
+        >>> sketch, sqnorm = FoldedSketch(31, seed=0).with_sqnorm(2, x, divide_by=2)
+        >>> bool(torch.equal(sketch, want)), float(sqnorm), x[-1].item()
+        (True, 285.0, 4.5)
+        """
+        kernel = _kernel_for(buffer)
+        if kernel is not None:
+            try:
+                return kernel.sketch_and_sqnorm(buffer, k=self.dim, seed=self.seed, bucket_id=index, divide_by=divide_by)
+            except Exception as error:  # noqa: BLE001  (a GPU or toolchain Triton cannot build for: same numbers the slow way)
+                _KERNEL_OFF.append(error)
+                warnings.warn(f"healthcheck: the fused sketch kernel failed ({error!r}); using the torch sketch", stacklevel=2)
+        measured = self(index, buffer), sqnorm_fp32(buffer)
+        if divide_by != 1:
+            buffer.div_(divide_by)
+        return measured
 
     def clear(self) -> None:
         """Nothing per bucket to free: the sign table is constant-size and shared."""

@@ -58,10 +58,16 @@ def test_hook_cost_smoke_run_on_cpu(capsys):
     # The GPU measurement's script, on a tiny model and one gloo rank: every arm runs and prints a row.
     with loaded_script("hook_cost") as hook_cost:
         results = hook_cost.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128",
-                                  "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1"])
-    assert set(results) == {"plain", "sketch", "exact"} and all(r["step_ms"] > 0 for r in results.values())
-    table = capsys.readouterr().out.splitlines()
-    assert [line.split(" | ")[0] for line in table[-3:]] == ["| plain", "| sketch", "| exact"]
+                                  "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1", "--pieces"])
+    assert set(results) == {"plain", "hook-only", "sketch", "sketch-torch", "exact"} and all(r["step_ms"] > 0 for r in results.values())
+    out = capsys.readouterr().out
+    table = out.splitlines()
+    assert [line.split(" | ")[0] for line in table[-5:]] == ["| plain", "| hook-only", "| sketch", "| sketch-torch", "| exact"]
+    # --pieces timed the monitor's code in the monitored arms, and put the methods back afterwards.
+    assert "arm sketch, wall ms per timed step inside: " in out and "FoldedSketch.with_sqnorm" in out
+    from healthcheck.measure.monitor import WorkerConsistencyMonitor
+
+    assert WorkerConsistencyMonitor.__dict__["_reduce_bucket"].__qualname__ == "WorkerConsistencyMonitor._reduce_bucket"
 
 
 @pytest.mark.multiprocess

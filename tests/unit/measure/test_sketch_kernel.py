@@ -1,0 +1,124 @@
+"""The fused sketch kernel (healthcheck.measure.sketch_kernel): the same sketch and ‖x‖² as the torch executors.
+
+Without a GPU the kernel runs in Triton's interpreter, which must be switched on before Triton is first imported,
+so those checks run in a fresh interpreter process. A CUDA-only test compiles it for real (skipped in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from healthcheck.measure import sketch
+
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from healthcheck.measure import sketch, sketch_kernel
+    from healthcheck.measure.sketch import FoldedSketch, sketch_bucket
+
+    cases = [  # (numel, k, dtype, m, chunk): a partial segment alone; full rows and a tail; bf16 and fp16;
+        (100, 8, torch.float32, None, None),  # many chunks of a few rows each
+        (300_001, 4096, torch.float32, None, None),
+        (70_000, 1021, torch.bfloat16, None, None),
+        (1_000, 4096, torch.float16, None, None),
+        (5_000, 31, torch.float32, 2, 31 * 2 * 4),
+        (0, 4096, torch.float32, None, None),
+    ]
+    for n, k, dtype, m, chunk in cases:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float32).to(dtype)
+        got, sqnorm = sketch_kernel.sketch_and_sqnorm(x, k=k, seed=7, bucket_id=5, m=m, chunk=chunk)
+        want = sketch_bucket(x, k=k, seed=7, bucket_id=5, m=m, chunk=chunk)
+        exact = float(x.double().square().sum())
+        assert got.dtype == torch.float32 and got.shape == want.shape, (n, got.shape, want.shape)
+        assert float((got - want).abs().max()) <= 1e-6 * max(float(want.norm()), 1e-30), (n, k, dtype)
+        assert abs(float(sqnorm) - exact) <= 1e-6 * max(exact, 1e-30), (n, float(sqnorm), exact)
+        assert n or float(got.abs().sum()) == 0.0
+
+    # The division in place is torch's div_, bit for bit, and the sketch and norm are of the values before it.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for world in (3, 8, 6):
+            x = torch.randn(140_001, generator=torch.Generator().manual_seed(world), dtype=torch.float32).to(dtype)
+            before = x.clone()
+            got, sqnorm = sketch_kernel.sketch_and_sqnorm(x, k=4096, seed=1, bucket_id=0, divide_by=world)
+            if dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 (numpy has no bf16); a GPU rounds to
+                assert float(((x.float() - (before / world).float()) / (before / world).float()).abs().max()) <= 2**-7
+            else:  # nearest, which the CUDA test below checks bit for bit
+                assert torch.equal(x, before / world), (dtype, world)
+            assert float((got - sketch_bucket(before, k=4096, seed=1, bucket_id=0)).abs().max()) <= 1e-6 * float(got.norm())
+            assert abs(float(sqnorm) - float(before.double().square().sum())) <= 1e-5 * float(sqnorm)
+
+    # FoldedSketch.with_sqnorm takes the kernel where it is offered, in (sketch, sqnorm) order, and divides.
+    sketch._kernel_for = lambda x: sketch_kernel
+    folded = FoldedSketch(1024, seed=3)
+    x = torch.randn(200_003, generator=torch.Generator().manual_seed(1))
+    before = x.clone()
+    got, sqnorm = folded.with_sqnorm(4, x, divide_by=4)
+    assert float((got - folded(4, before)).abs().max()) <= 1e-6 * float(got.norm()) and torch.equal(x, before / 4)
+    assert abs(float(sqnorm) - float(before.double().square().sum())) <= 1e-5 * float(sqnorm)
+    print("ok")
+    """
+)
+
+
+def test_the_kernel_in_triton_interpreter_is_the_sketch_and_the_squared_norm():
+    pytest.importorskip("triton")  # a test dependency ([test] extra); absent only outside the project's installs
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def _cuda_like(dtype: torch.dtype = torch.bfloat16, contiguous: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(device=torch.device("cuda", 0), is_cuda=True, dtype=dtype, is_contiguous=lambda: contiguous)
+
+
+def test_the_kernel_is_offered_for_cuda_buckets_unless_switched_off(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(sketch, "_KERNEL_OFF", [])
+    monkeypatch.delenv(sketch.KERNEL_SWITCH, raising=False)
+    assert sketch._kernel_for(_cuda_like()) is not None
+    assert sketch._kernel_for(_cuda_like(torch.float64)) is None  # fp64 keeps its fp64 norm
+    assert sketch._kernel_for(_cuda_like(contiguous=False)) is None  # it divides in place
+    assert sketch._kernel_for(torch.zeros(3)) is None  # the host has its own one-pass executor
+    monkeypatch.setenv(sketch.KERNEL_SWITCH, "torch")
+    assert sketch._kernel_for(_cuda_like()) is None
+
+
+def test_a_kernel_that_fails_warns_once_and_the_torch_sketch_takes_over(monkeypatch):
+    class Broken:
+        calls = 0
+
+        def sketch_and_sqnorm(self, *args, **kwargs):
+            Broken.calls += 1
+            raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(sketch, "_KERNEL_OFF", [])
+    monkeypatch.setattr(sketch, "_kernel_for", lambda x: None if sketch._KERNEL_OFF else Broken())
+    folded = sketch.FoldedSketch(64, seed=1)
+    x = torch.randn(1000)
+    with pytest.warns(UserWarning, match="no compiler for this GPU"):
+        got, sqnorm = folded.with_sqnorm(0, x)
+    assert torch.equal(got, folded(0, x)) and float(sqnorm) == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+    folded.with_sqnorm(0, x)
+    assert Broken.calls == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")
+def test_the_compiled_kernel_on_cuda_is_the_host_sketch():
+    pytest.importorskip("triton")
+    from healthcheck.measure import sketch_kernel
+
+    for n in (1, 65_488 * 3 + 17, 12_582_912):
+        host = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+        on_gpu = host.cuda()
+        got, sqnorm = sketch_kernel.sketch_and_sqnorm(on_gpu, k=4093, seed=0, bucket_id=2, divide_by=6)
+        want = sketch.sketch_bucket(host, k=4093, seed=0, bucket_id=2)
+        assert float((got.cpu() - want).abs().max()) <= 1e-6 * float(want.norm())
+        assert float(sqnorm) == pytest.approx(float(host.double().square().sum()), rel=1e-5)
+        assert torch.equal(on_gpu, host.cuda().div_(6))  # DDP's own division, bit for bit
