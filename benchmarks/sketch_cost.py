@@ -125,6 +125,7 @@ def main() -> None:
         print("folded sketch on the GPU against the host's, max |difference| / host norm: " + "; ".join(agreement))
     if not cuda and dtype == torch.float32:
         _hook_reads(args.sizes, after, args.repeats, evict)
+        _salted_rows(args.sizes, after.dim, args.repeats)
     if cuda:
         _kernel_reads(args.sizes, after, args.repeats, evict, dtype)
 
@@ -157,6 +158,37 @@ def _kernel_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any, dtype
         print(f"| {numel:,} | {timed[0]:.3f} | {timed[1]:.3f} | {timed[2]:.3f} | {timed[3]:.3f} | {timed[1] / timed[0]:.2f}, "
               f"{timed[3] / timed[2]:.2f} | {float((got.cpu() - on_host).abs().max() / on_host.norm()):.1e} | "
               f"{abs(float(sqnorm) - exact) / exact:.1e} |")
+
+
+def _row_moves_loop(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[int, float], ...]:
+    """The rows' rotations and signs as they were computed until 2026-11-26: Python ints, row by row."""
+    from healthcheck.measure.sketch_layout import segment_sign_bits
+
+    return tuple(((a * g + b) % p, -1.0 if segment_sign_bits(K, g) else 1.0) for g in range(g0, g0 + nb))
+
+
+def _salted_rows(sizes: list[int], k: int, repeats: int) -> None:
+    """The rows' rotations and signs of a whole gradient when nothing is cached: FSDP2 salts its sketch per step, so
+    every step asks for new ones. ms per gradient, the Python row loop against :func:`row_moves_arrays` (which
+    :func:`~healthcheck.measure.sketch_layout._row_moves` uses from 32 rows a call on)."""
+    from healthcheck.measure.sketch_layout import get_layout, plan, row_moves_arrays
+
+    lay = get_layout(k)
+    print("\n| gradient elements | segments | rows in a Python loop, ms | numpy arrays, ms | arrays/loop |")
+    print("|---:|---:|---:|---:|---:|")
+    for numel in sizes:
+        pieces = plan(numel, 0, lay, 0, 1, 256)
+        times = {}
+        for name, moves in (("loop", _row_moves_loop), ("arrays", row_moves_arrays)):
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for piece in pieces:
+                    moves(piece.K, piece.a, piece.b, piece.g, max(piece.rows, 1), lay.p)
+                runs.append(time.perf_counter() - start)
+            times[name] = statistics.median(runs) * 1000
+        loop, arrays = times["loop"], times["arrays"]
+        print(f"| {numel:,} | {-(-numel // lay.L):,} | {loop:.2f} | {arrays:.3f} | {arrays / loop:.3f} |")
 
 
 def _hook_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any) -> None:

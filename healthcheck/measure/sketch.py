@@ -83,6 +83,7 @@ from healthcheck.measure.sketch_layout import (  # noqa: F401  (re-exported: the
     get_layout,
     largest_prime_leq,
     plan,
+    row_moves_arrays,
     safe_sketch_size,
     segment_sign_bits,
     sign_table,
@@ -255,13 +256,12 @@ def _rotate_gather(acc2: Any, F: Any, piece: Piece) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def _device_moves(K: int, a: int, b: int, g0: int, nb: int, p: int, device: str) -> tuple[Any, Any]:
-    """:func:`_row_moves` as device tensors (rotations int64, signs fp32), cached: a DDP bucket or an FSDP
-    group asks for the same rows every step, so they are copied to the device once (12 bytes per segment
-    of m*p elements, at most 4096 runs' worth), not hashed again in ~20 integer kernels per call."""
-    moves = _row_moves(K, a, b, g0, nb, p)
-    rotations = torch.tensor([r for r, _ in moves], dtype=torch.int64, device=device)
-    signs = torch.tensor([eps for _, eps in moves], dtype=torch.float32, device=device)
-    return rotations, signs
+    """:func:`row_moves_arrays` as device tensors (rotations int64, signs fp32), cached: a DDP bucket asks for the
+    same rows every step, so they are copied to the device once (12 bytes per segment of m*p elements, at most 4096
+    runs' worth), not hashed again in ~20 integer kernels per call. FSDP2's sketch is salted per step, so there every
+    call misses: a dozen numpy calls and two copies."""
+    rotations, signs = row_moves_arrays(K, a, b, g0, nb, p)
+    return torch.from_numpy(rotations).to(device), torch.from_numpy(signs).to(device)
 
 
 def _partial_padded(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float]) -> None:

@@ -32,11 +32,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from healthcheck.measure.sketch_layout import get_layout, plan
+from healthcheck.measure.sketch_layout import get_layout, plan, row_moves_arrays
 
 #: Bins per program. A segment row of p = 4093 bins is 4 programs, and each reads m = 16 strided blocks.
 BLOCK = 1024
@@ -91,17 +92,21 @@ def rows(n: int, lay: Any, seed: int, bucket_id: int, device: str) -> tuple[Any,
     >>> meta[:, 0].tolist(), meta[-1, 1:3].tolist(), len(eps)
     ([0, 14, 28, 42, 56, 70, 84, 98], [0, 2], 8)
     """
-    table: list[tuple[int, int, int, int]] = []
-    signs: list[float] = []
+    tables, signs = [], []
     for piece in plan(n, 0, lay, seed, bucket_id, max(1, n // lay.L)):
-        moves = piece.moves(lay.p)
+        r, eps = row_moves_arrays(piece.K, piece.a, piece.b, piece.g, max(piece.rows, 1), lay.p)
+        table = np.empty((len(r), 4), dtype=np.int64)
         if piece.rows:
-            table.extend((piece.lo + i * lay.L, 0, lay.L, r) for i, (r, _) in enumerate(moves))
+            table[:, 0] = piece.lo + lay.L * np.arange(piece.rows, dtype=np.int64)
+            table[:, 1], table[:, 2] = 0, lay.L
         else:
-            table.append((piece.lo - piece.u, piece.u, piece.u + piece.hi - piece.lo, moves[0][0]))
-        signs.extend(eps for _, eps in moves)
-    meta = torch.tensor(table, dtype=torch.int64, device=device).reshape(-1, 4)
-    return meta, torch.tensor(signs, dtype=torch.float32, device=device)
+            table[:, 0], table[:, 1], table[:, 2] = piece.lo - piece.u, piece.u, piece.u + piece.hi - piece.lo
+        table[:, 3] = r
+        tables.append(table)
+        signs.append(eps)
+    meta = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
+    eps_all = np.concatenate(signs) if signs else np.empty(0, dtype=np.float32)
+    return torch.from_numpy(meta).to(device), torch.from_numpy(eps_all).to(device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -3,6 +3,8 @@
 import math
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from healthcheck.measure import sketch as SK
 
@@ -179,3 +181,15 @@ def test_the_accelerator_path_sketches_what_the_host_path_does(monkeypatch):
     expected = SK.sketch_bucket(big, k=4096, seed=1, bucket_id=5)
     monkeypatch.setattr(SK, "_host_path", lambda device: True)
     assert torch.allclose(SK.sketch_bucket(big, k=4096, seed=1, bucket_id=5), expected, atol=1e-3)
+
+
+@given(key=st.integers(0, 2**64 - 1), a=st.integers(0, 4092), b=st.integers(0, 4092), g0=st.integers(0, 4000),
+       nb=st.integers(1, 90))
+def test_the_rows_hashed_as_arrays_are_the_rows_hashed_one_by_one(key, a, b, g0, nb):
+    # The array hash (FSDP2's per-step salt asks for new rows every step) must give the bits the scalar one gives.
+    p = 4093
+    one_by_one = [((a * g + b) % p, -1.0 if SK.segment_sign_bits(key, g) else 1.0) for g in range(g0, g0 + nb)]
+    r, eps = SK.row_moves_arrays(key, a, b, g0, nb, p)
+    assert list(zip(r.tolist(), eps.tolist())) == one_by_one
+    SK._row_moves.cache_clear()
+    assert list(SK._row_moves(key, a, b, g0, nb, p)) == one_by_one  # either side of the array threshold
