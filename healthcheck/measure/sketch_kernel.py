@@ -1,11 +1,12 @@
-"""The folded sketch of a bucket and its ‖x‖², from one read of it, in one Triton kernel (CUDA).
+"""The folded sketch of a bucket and its ‖x‖², then DDP's division of it, from one read, in one Triton kernel (CUDA).
 
-Why: a comm hook runs on the autograd thread, and on a GPU every kernel it launches costs ~10 µs of host time
-there, which the backward's own launches then wait behind. The torch executor of the sketch
-(:func:`healthcheck.measure.sketch._sketch_accelerator`) plus ``vector_norm`` launched ~25 kernels a bucket and
-read the bucket three times (the fold's signed product is written, then summed). On an H200 with a 0.95B Llama
-(one NCCL rank, micro-batch 4 x 1024) that made the sketch arm +46% of an 81 ms step, with the GPU's own extra
-work only ~9 ms of it (README, Measured figures). Here a bucket costs three launches: this kernel, and two sums.
+Why: a comm hook runs on the autograd thread, and on a GPU every kernel it launches costs host time there, which
+the backward's own launches then wait behind. The torch executor of the sketch
+(:func:`healthcheck.measure.sketch._sketch_accelerator`), ``vector_norm`` and ``div_`` launched ~25 kernels a
+bucket and read it four times (the fold's signed product is written, then summed). On an H200 with a 0.95B Llama
+(one NCCL rank, micro-batch 4 x 1024) the sketch arm cost +32.2% of an 83 ms step that way and +18.5% with this
+kernel, whose GPU time is a few ms (README, Measured figures). Here a bucket costs three launches: this kernel,
+and two sums.
 
 The kernel computes exactly :func:`healthcheck.measure.sketch.sketch_bucket`'s sketch. The plan's pieces are
 flattened into rows, one per segment, full or partial (:func:`rows`). Each row is described by where its
@@ -14,10 +15,12 @@ int64, plus its sign ``eps``. One program folds ``BLOCK`` bins of one row: ``acc
 x[base + q*p + j]``, with elements outside ``[lo, hi)`` read as zero. A partial segment is therefore a masked full
 one, as on the torch path. It writes ``eps * acc`` to bins ``(j + r) mod p`` of its own row of a ``[rows, p]``
 buffer, and the rows are summed afterwards. Each bin of a row is written once, so no atomics are needed and
-the result is the same on every run. The squares of the elements it reads go to one partial per program.
+the result is the same on every run. The squares of the elements it reads go to one partial per program. With a
+divisor, it writes each element back divided (IEEE division, then round to nearest: the bits of ``div_``); every
+element belongs to one program, so nothing reads what another wrote.
 
-The row table is cached per (bucket size, layout, seed, bucket): 40 bytes per segment of m*p elements (65,488 for
-k = 4096), so ~0.6 KB per million parameters. It is bounded by the bucket count, not by the model's state.
+The row table is cached per (bucket size, layout, seed, bucket): 36 bytes per segment of m*p elements (65,488 for
+k = 4096), so ~0.55 KB per million parameters (39 MB at 70B), on the device. At most 4096 buckets' tables are kept.
 
 Numerics: the same products (tau is +-1) summed in fp32 in another order than the torch path's, so the two agree
 to fp32 rounding (``tests/unit/measure/test_sketch_kernel.py`` runs this kernel in Triton's interpreter on the host
