@@ -91,13 +91,15 @@ def test_sketch_cost_table(capsys):
             sketch_cost.main()
         finally:
             sys.argv = argv
-    sketches, reads = [[cell.strip() for cell in line.strip("|").split("|")]
-                       for line in capsys.readouterr().out.splitlines() if line.startswith("| 20,000 |")]
+    sketches, reads, rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                             for line in capsys.readouterr().out.splitlines() if line.startswith("| 20,000 |")]
     # elements | before, drawn again, cold | after, cold | ratios | state before | state after
     assert all(float(c) > 0 for c in sketches[1:6]) and all(float(c) > 0 for c in sketches[6].split(","))
     assert sketches[7] == "0.1 MiB" and sketches[8] == "0 (256 KiB sign table, any model)"
     # The hook's reads of a host bucket: three passes, one pass (warm, cold), and their ratios.
     assert len(reads) == 6 and all(float(c) > 0 for c in reads[1:5]) and len(reads[5].split(",")) == 2
+    # The rows' hashes when nothing is cached (FSDP2's per-step salt): one segment, the loop and the arrays timed.
+    assert rows[1] == "1" and all(float(c) > 0 for c in rows[2:5])
 
 
 @pytest.mark.multiprocess
