@@ -25,9 +25,8 @@ The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module state
 std of |Δcos| <= sqrt(2/p), p the sketch's prime width, e.g. 4093 for sketch_dim 4096); the exact
 Gram and the reduction check are one chunked pass,
 :func:`healthcheck.measure.exact_pass.stream_local_gradients`. With ``reduction_every=k`` (a
-multiple of ``every``) every k-th step also keeps each bucket's local gradient and its all-reduced
-result for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and
-``reduction_bound_ratio``.
+multiple of ``every``) every k-th step also keeps each bucket's local gradient and its all-reduced result
+for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and ``reduction_bound_ratio``.
 
 Memory: sketch mode keeps no per-parameter state and no copy of the gradient (a 256 KB sign table whatever the
 model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a
@@ -384,11 +383,12 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
         DDP has no public way to unregister a communication hook (a second
         ``register_comm_hook`` raises), so the hook stays registered and, once closed, does only
-        the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does.
+        the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does. Closed, it lets the model be freed.
         """
         super().close()
-        if self._model.__dict__.get("_sync_buffers") is not None:
+        if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:
             del self._model._sync_buffers  # DDP's own method again
+        self._model = None  # DDP's reducer (C++: the garbage collector cannot see it) keeps this monitor as hook state
 
 
 # --------------------------------------------------------------------------- hook helpers

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -269,6 +271,20 @@ def _check_nonfinite() -> None:
     monitor.close()
 
 
+def _check_close_frees_the_model() -> None:
+    """DDP's reducer keeps the monitor as its hook's state, where the garbage collector cannot see: a closed monitor
+    that still held the model kept both alive for good (a second model in the same process paid for the first)."""
+    ddp, reference_model = _make_ddp(torch.float32, False)
+    monitor = WorkerConsistencyMonitor(ddp, direction="sketch", overlap=False)
+    loss, _ = _train_step(ddp, reference_model, 0, 1, torch.float32)
+    assert monitor.end_step(loss) is not None
+    monitor.close()
+    module = weakref.ref(ddp.module)
+    del ddp, monitor
+    gc.collect()
+    assert module() is None
+
+
 def _check_reduction_after_clipping() -> None:
     """The reduction check compares the all-reduce's own result, though the bucket it reduced in place is the
     gradients' storage (gradient_as_bucket_view) and the loop clips them before end_step."""
@@ -307,6 +323,7 @@ def _four_rank_worker() -> None:
         _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2)
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True, exchange="carry")
         _check_nonfinite()
+        _check_close_frees_the_model()
     finally:
         distributed.destroy_distributed()
 
