@@ -144,7 +144,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
-        self._model = model
+        self._model: Any = model  # None once closed
         # DDP's forward broadcasts the buffers from rank 0: a wait on the others inside the step (wait_clock.py).
         # A private method: where a torch lacks it, the broadcast is not timed.
         if callable(getattr(model, "_sync_buffers", None)):
