@@ -21,7 +21,8 @@ on the device type, since ranks on different devices compare sketches.
 
 On the host in fp32 a second table prices the DDP hook's three reads of a bucket (sketch mode): ``buffer / world``
 into the all-reduce target, ‖g‖² and the sketch, as three passes (torch's division and dot, the sketch) and as
-the one pass the hook makes (:func:`healthcheck.measure.host_pass.divide_square_sketch`), in ns per element.
+the one pass the hook makes (:func:`healthcheck.measure.host_pass.divide_square_sketch`), by numpy and by the
+C extension (``_host_fold.c``, where it was built), in ns per element.
 
     python benchmarks/sketch_cost.py --sizes 1000000 6553600 --k 4096 --repeats 7
     python benchmarks/sketch_cost.py --device cuda --dtype bf16 --sizes 6553600 104857600 1073741824
@@ -186,28 +187,57 @@ def _salted_rows(sizes: list[int], k: int, repeats: int) -> None:
 
 
 def _hook_reads(sizes: list[int], sketch: Any, repeats: int, evict: Any) -> None:
-    """The hook's division, ‖g‖² and sketch of a host bucket: three passes against one (ns per element)."""
+    """The hook's division, ‖g‖² and sketch of a host bucket: three passes against the one pass, by numpy and by
+    the C extension where it was built (ns per element). The one pass divides in place, as the hook does: at most
+    ``repeats + 1`` divisions by 8, so the values stay normal floats (a subnormal would slow every column)."""
+    import os
+
     import torch
 
-    from healthcheck.measure.host_pass import divide_square_sketch
+    from healthcheck.measure import host_pass
+    from healthcheck.measure.sketch import KERNEL_SWITCH
 
-    print("\n| bucket elements | three passes | one pass | three passes, cold | one pass, cold | one/three (warm, cold) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for numel in sizes:
-        buffer = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-        target = torch.empty_like(buffer)
+    def one_pass(b: Any) -> None:
+        host_pass.divide_square_sketch(b, b, world=8, k=sketch.dim, seed=sketch.seed, bucket_id=0)
 
-        def three(b: Any = buffer, t: Any = target) -> None:
-            torch.div(b, 8, out=t)
-            torch.dot(b, b)
-            sketch(0, b)
+    executors = {"numpy": "torch", **({"C": None} if host_pass._host_fold is not None else {})}
+    names = list(executors)
+    print(f"\n| bucket elements | three passes | {' | '.join(f'one pass, {n}' for n in names)} | (cold) three passes | "
+          f"{' | '.join(f'(cold) one pass, {n}' for n in names)} | one/three (warm, cold) |")
+    print("|---:|" + "---:|" * (2 * len(names) + 3))
+    saved = os.environ.get(KERNEL_SWITCH)
+    try:
+        for numel in sizes:
+            buffer = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+            target = torch.empty_like(buffer)
 
-        def one(b: Any = buffer, t: Any = target) -> None:
-            divide_square_sketch(b, t, world=8, k=sketch.dim, seed=sketch.seed, bucket_id=0)
+            def three(b: Any = buffer, t: Any = target) -> None:
+                torch.div(b, 8, out=t)
+                torch.dot(b, b)
+                sketch(0, b)
 
-        warm3, warm1 = (_median_ns_per_element(f, numel, repeats) for f in (three, one))
-        cold3, cold1 = (_median_ns_per_element(f, numel, repeats, evict) for f in (three, one))
-        print(f"| {numel:,} | {warm3:.2f} | {warm1:.2f} | {cold3:.2f} | {cold1:.2f} | {warm1 / warm3:.2f}, {cold1 / cold3:.2f} |")
+            figures: dict[str, tuple[float, float]] = {}
+            for name, switch in executors.items():
+                if switch is None:
+                    os.environ.pop(KERNEL_SWITCH, None)
+                else:
+                    os.environ[KERNEL_SWITCH] = switch
+                assert host_pass.compiled() == (name == "C")
+                values = buffer.clone()
+                figures[name] = (
+                    _median_ns_per_element(lambda v=values: one_pass(v), numel, repeats),
+                    _median_ns_per_element(lambda v=values: one_pass(v), numel, repeats, evict),
+                )
+            warm3, cold3 = (_median_ns_per_element(three, numel, repeats), _median_ns_per_element(three, numel, repeats, evict))
+            best = names[-1]
+            print(f"| {numel:,} | {warm3:.2f} | {' | '.join(f'{figures[n][0]:.2f}' for n in names)} | {cold3:.2f} | "
+                  f"{' | '.join(f'{figures[n][1]:.2f}' for n in names)} | "
+                  f"{figures[best][0] / warm3:.2f}, {figures[best][1] / cold3:.2f} ({best}) |")
+    finally:
+        if saved is None:
+            os.environ.pop(KERNEL_SWITCH, None)
+        else:
+            os.environ[KERNEL_SWITCH] = saved
 
 
 if __name__ == "__main__":

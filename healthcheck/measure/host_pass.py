@@ -7,10 +7,17 @@ about :data:`RUN_ELEMENTS` elements, a few hundred KiB that stay in a core's L2,
 squared and divided before the next is read. On the 2-core development host the saving was within the
 run-to-run noise (0.55-1.41 of the separate passes' time in four runs: README, Measured figures).
 
-The sketch is :func:`healthcheck.measure.sketch.sketch_bucket`'s, by its own host executor with shorter runs,
-which hands each run to the norm and the division right after folding it; the division is IEEE division, so
-it has ``torch.div(buffer, world)``'s bits, and it may go into ``buffer`` itself (the DDP monitor divides in
-place, as DDP's own hook does); ‖g_i‖² adds fp32 dot products of the runs in float64.
+Two executors compute it. Where the package's C extension was built (``pip install`` compiles
+``_host_fold.c``; :func:`compiled` says whether it did), one C call reads the bucket once, folds it row by row
+from :func:`~healthcheck.measure.sketch_layout.row_table` (the Triton kernel's table), adds the squares in float64
+and divides in place: on the development host a 263K-element bucket met cold cost ~560 µs by numpy and ~220 µs
+this way, because each of the numpy pass's ~15 calls met the interpreter cold (README, Measured figures). Without
+it, or with ``HEALTHCHECK_SKETCH_KERNEL=torch`` (:data:`healthcheck.measure.sketch.KERNEL_SWITCH`, which turns
+every compiled sketch off), numpy runs: :func:`healthcheck.measure.sketch.sketch_bucket`'s own host executor with
+shorter runs, which hands each run to the norm and the division right after folding it. Either way the division
+is IEEE division, so it has ``torch.div(buffer, world)``'s bits, and it may go into ``buffer`` itself (the DDP
+monitor divides in place, as DDP's own hook does); ‖g_i‖² adds fp32 squares (C) or fp32 dot products of the
+runs (numpy) in float64. The two agree to fp32 rounding (``tests/unit/measure/test_host_pass.py``).
 
     >>> import torch
     >>> from healthcheck.measure.sketch import sketch_bucket
@@ -26,7 +33,14 @@ place, as DDP's own hook does); ‖g_i‖² adds fp32 dot products of the runs i
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
+
+try:  # built by ``pip install`` where a C compiler is found (setup.py: optional)
+    from healthcheck.measure import _host_fold
+except ImportError:  # pragma: no cover - the numpy pass below runs instead
+    _host_fold = None  # type: ignore[assignment]
 
 #: Elements per run: a run of the bucket (0.5 MiB in fp32; with a separate target, ~1 MiB together) stays in a
 #: core's L2 while it is folded, squared and divided. A run holds at least one whole sketch segment.
@@ -34,11 +48,31 @@ RUN_ELEMENTS = 1 << 17
 
 
 def fuses(buffer: Any) -> bool:
-    """Whether :func:`divide_square_sketch` takes ``buffer``: an fp32/fp64 host tensor (numpy reads it in
-    place; a half-precision bucket keeps the separate passes, which upcast it piece by piece)."""
+    """Whether :func:`divide_square_sketch` takes ``buffer``: a contiguous fp32/fp64 host tensor (read and divided
+    in place; a half-precision bucket keeps the separate passes, which upcast it piece by piece)."""
     import torch
 
-    return buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.float64)
+    return buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.float64) and buffer.is_contiguous()
+
+
+def compiled() -> bool:
+    """Whether :func:`divide_square_sketch` runs the C pass: the extension was built and not switched off."""
+    from healthcheck.measure.sketch import KERNEL_SWITCH
+
+    return _host_fold is not None and os.environ.get(KERNEL_SWITCH) != "torch"
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_plan(n: int, k: int, seed: int, bucket_id: int) -> tuple[Any, ...]:
+    """What the C pass needs besides the bucket, built once per bucket (a DDP bucket asks for it every step):
+    the layout, the row table and signs, and the sign table, as numpy arrays."""
+    import torch
+
+    from healthcheck.measure.sketch_layout import get_layout, row_table, sign_table
+
+    lay = get_layout(k)
+    meta, eps = row_table(n, lay, seed, bucket_id)
+    return lay, meta.reshape(-1), eps, sign_table(seed, lay.L, torch.device("cpu")).numpy()
 
 
 def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
@@ -57,6 +91,8 @@ def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: 
     from healthcheck.measure.sketch import _sketch_host
     from healthcheck.measure.sketch_layout import get_layout, plan
 
+    if compiled():
+        return _divide_square_sketch_c(buffer, target, world=world, k=k, seed=seed, bucket_id=bucket_id)
     lay = get_layout(int(k))
     out = target.reshape(-1).numpy()
     pieces = plan(buffer.numel(), 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
@@ -68,3 +104,18 @@ def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: 
 
     sketch = _sketch_host(buffer.reshape(-1), pieces, lay, seed, visit=square_and_divide)
     return torch.from_numpy(sketch), sqnorm[0]
+
+
+def _divide_square_sketch_c(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
+    """:func:`divide_square_sketch` by one call of the C pass (it divides in place, so a separate target is first
+    given the bucket's values: a copy only tests and benchmarks ask for)."""
+    import numpy as np
+    import torch
+
+    lay, meta, eps, tau = _row_plan(buffer.numel(), int(k), int(seed), int(bucket_id))
+    values = target.reshape(-1)
+    if values.data_ptr() != buffer.data_ptr():
+        values.copy_(buffer.reshape(-1))
+    sketch = np.empty(lay.p, dtype=np.float32)
+    sqnorm = _host_fold.fold(values.numpy(), tau, meta, eps, sketch, lay.m, float(world))
+    return torch.from_numpy(sketch), sqnorm

@@ -9,7 +9,7 @@ kernel, whose GPU time is a few ms (README, Measured figures). Here a bucket cos
 and two sums.
 
 The kernel computes exactly :func:`healthcheck.measure.sketch.sketch_bucket`'s sketch. The plan's pieces are
-flattened into rows, one per segment, full or partial (:func:`rows`). Each row is described by where its
+flattened into rows, one per segment, full or partial (:func:`.sketch_layout.row_table`). Each row is described by where its
 segment position 0 lies in the bucket, the positions ``[lo, hi)`` it holds, and its rotation ``r``, all in
 int64, plus its sign ``eps``. One program folds ``BLOCK`` bins of one row: ``acc[j] = sum_q tau[q*p + j] *
 x[base + q*p + j]``, with elements outside ``[lo, hi)`` read as zero. A partial segment is therefore a masked full
@@ -35,12 +35,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from healthcheck.measure.sketch_layout import get_layout, plan, row_moves_arrays
+from healthcheck.measure.sketch_layout import get_layout, row_table
 
 #: Bins per program. A segment row of p = 4093 bins is 4 programs, and each reads m = 16 strided blocks.
 BLOCK = 1024
@@ -88,27 +87,9 @@ def _kernel() -> Any:
 
 
 def rows(n: int, lay: Any, seed: int, bucket_id: int, device: str) -> tuple[Any, Any]:
-    """The row table of an ``n``-element bucket: int64 ``[rows, 4]`` of (base, lo, hi, r), and fp32 ``[rows]`` signs.
-
-    >>> meta, eps = rows(100, get_layout(8, 2), 0, 0, "cpu")  # p = 7, L = 14: 7 full segments, then 2 elements
-    >>> meta[:, 0].tolist(), meta[-1, 1:3].tolist(), len(eps)
-    ([0, 14, 28, 42, 56, 70, 84, 98], [0, 2], 8)
-    """
-    tables, signs = [], []
-    for piece in plan(n, 0, lay, seed, bucket_id, max(1, n // lay.L)):
-        r, eps = row_moves_arrays(piece.K, piece.a, piece.b, piece.g, max(piece.rows, 1), lay.p)
-        table = np.empty((len(r), 4), dtype=np.int64)
-        if piece.rows:
-            table[:, 0] = piece.lo + lay.L * np.arange(piece.rows, dtype=np.int64)
-            table[:, 1], table[:, 2] = 0, lay.L
-        else:
-            table[:, 0], table[:, 1], table[:, 2] = piece.lo - piece.u, piece.u, piece.u + piece.hi - piece.lo
-        table[:, 3] = r
-        tables.append(table)
-        signs.append(eps)
-    meta = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
-    eps_all = np.concatenate(signs) if signs else np.empty(0, dtype=np.float32)
-    return torch.from_numpy(meta).to(device), torch.from_numpy(eps_all).to(device)
+    """:func:`~healthcheck.measure.sketch_layout.row_table` on ``device``."""
+    meta, eps = row_table(n, lay, seed, bucket_id)
+    return torch.from_numpy(meta).to(device), torch.from_numpy(eps).to(device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -268,3 +268,29 @@ def plan(n: int, start: int, lay: Layout, seed: int, bucket_id: int, per_run: in
             pieces.append(Piece(i + j, i + take, 0, 0, g, K, a, b))
         i += take
     return tuple(pieces)
+
+
+def row_table(n: int, lay: Layout, seed: int, bucket_id: int) -> tuple[Any, Any]:
+    """The plan of an ``n``-element bucket as one row per segment, full or partial, for the compiled folds (the
+    Triton kernel, the host's C fold): int64 ``[rows, 4]`` of (base, lo, hi, r) and float32 ``[rows]`` signs.
+    Segment position ``t`` of a row is bucket element ``base + t``; the row holds positions ``[lo, hi)``, and
+    its folded bins go to ``(j + r) mod p`` with sign ``eps``.
+
+    >>> meta, eps = row_table(100, get_layout(8, 2), 0, 0)  # p = 7, L = 14: 7 full segments, then 2 elements
+    >>> meta[:, 0].tolist(), meta[-1, 1:3].tolist(), len(eps)
+    ([0, 14, 28, 42, 56, 70, 84, 98], [0, 2], 8)
+    """
+    tables, signs = [], []
+    for piece in plan(n, 0, lay, seed, bucket_id, max(1, n // lay.L)):
+        r, eps = row_moves_arrays(piece.K, piece.a, piece.b, piece.g, max(piece.rows, 1), lay.p)
+        table = np.empty((len(r), 4), dtype=np.int64)
+        if piece.rows:
+            table[:, 0] = piece.lo + lay.L * np.arange(piece.rows, dtype=np.int64)
+            table[:, 1], table[:, 2] = 0, lay.L
+        else:
+            table[:, 0], table[:, 1], table[:, 2] = piece.lo - piece.u, piece.u, piece.u + piece.hi - piece.lo
+        table[:, 3] = r
+        tables.append(table)
+        signs.append(eps)
+    meta = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
+    return meta, np.concatenate(signs) if signs else np.empty(0, dtype=np.float32)

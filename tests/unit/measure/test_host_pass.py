@@ -1,4 +1,5 @@
-"""The host's one pass over a bucket: the same target, ‖g‖² and sketch as the three separate passes, in place too."""
+"""The host's one pass over a bucket: the same target, ‖g‖² and sketch as the three separate passes, in place too,
+by both executors (the C extension and numpy)."""
 
 import math
 
@@ -9,6 +10,18 @@ from healthcheck.measure import host_pass
 from healthcheck.measure import sketch as SK
 
 K = 31  # p = 31, m = 16, L = 496, T = 15,376: a 40,000-element bucket crosses chunks and has partial segments
+
+
+@pytest.fixture(params=["c", "numpy"], autouse=True)
+def executor(request, monkeypatch):
+    """Every test runs on both executors; the C one must have been built (``pip install -e .`` compiles it)."""
+    if request.param == "c":
+        assert host_pass._host_fold is not None, "the C pass was not built: pip install -e . (setup.py) compiles it"
+        monkeypatch.delenv(SK.KERNEL_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SK.KERNEL_SWITCH, "torch")
+    assert host_pass.compiled() == (request.param == "c")
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -54,7 +67,29 @@ def test_in_place_the_sketch_and_the_norm_are_of_the_values_before_the_division(
     assert math.isclose(sqnorm, float(original.double().square().sum()), rel_tol=1e-5)
 
 
-def test_only_full_precision_host_buckets_are_fused():
+def test_only_contiguous_full_precision_host_buckets_are_fused():
     assert host_pass.fuses(torch.zeros(4)) and host_pass.fuses(torch.zeros(4, dtype=torch.float64))
     assert not host_pass.fuses(torch.zeros(4, dtype=torch.bfloat16))
+    assert not host_pass.fuses(torch.zeros(8)[::2])
     assert not host_pass.fuses(torch.zeros(4, device="meta"))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
+def test_a_power_of_two_divides_to_the_same_bits_subnormals_included(world):
+    # The C pass multiplies by 1/world there: the same exact value, rounded once, also where it turns subnormal.
+    tiny = torch.tensor([1e-38, -3e-39, 1.5e-45, 2.0**-126, 7.0, -0.0], dtype=torch.float32)
+    x = torch.cat([tiny, torch.randn(3_000, generator=torch.Generator().manual_seed(world))])
+    target = torch.empty_like(x)
+    host_pass.divide_square_sketch(x, target, world=world, k=K, seed=1, bucket_id=0)
+    assert torch.equal(target.view(torch.int32), torch.div(x, world).view(torch.int32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 495, 497])
+def test_tiny_buckets(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    original = x.clone()
+    sketch, sqnorm = host_pass.divide_square_sketch(x, x, world=3, k=K, seed=2, bucket_id=1)
+    assert torch.equal(x, torch.div(original, 3))
+    assert torch.allclose(sketch, SK.sketch_bucket(original, k=K, seed=2, bucket_id=1), rtol=1e-5, atol=1e-5)
+    assert math.isclose(sqnorm, float(original.double().square().sum()), rel_tol=1e-5, abs_tol=1e-12)
+

@@ -1,0 +1,3 @@
+from typing import Any
+
+def fold(x: Any, tau: Any, meta: Any, eps: Any, acc: Any, m: int, divisor: float, /) -> float: ...
