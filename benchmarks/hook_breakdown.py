@@ -1,7 +1,8 @@
 """Where the sketch monitor's CPU goes on each rank: the plain and monitored step, and the monitor's pieces.
 
 The harness model of issue 13 on N gloo ranks, two DDP copies (plain, and monitored in
-sketch mode with ``every=1``; with ``--mode sketch-carry``, ``exchange="carry"``) stepped alternately,
+sketch mode with ``every=1``, by default; with ``--mode sketch-carry`` or ``sketch-gather``, ``exchange="carry"`` or
+``"gather"``) stepped alternately,
 one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with
 ``time.thread_time``, the CPU its thread spent inside the monitor's comm hook, its after-the-all-reduce
 callback and ``end_step``, and inside the pieces those call (the norm, sketch and division, the squared norms, the packing,
@@ -44,6 +45,8 @@ PIECES: tuple[tuple[str, str, str | None, str], ...] = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "end_step", "end_step (all of it)"),
     ("healthcheck.measure.step_gather", "pack", None, "  pack the step vector"),
     ("healthcheck.measure.distributed", "all_gather_rows_async", None, "  start the all-gather"),
+    ("healthcheck.measure.shared_rows", "SharedRows", "post", "  post the row to shared memory"),
+    ("healthcheck.measure.shared_rows", "SharedRows", "read", "  read the rows from shared memory"),
     ("healthcheck.measure.step_gather", "complete", None, "  complete the previous step"),
     ("healthcheck.measure.step_gather", "compute_step_metrics", None, "    its metrics"),
 )
@@ -170,8 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sketch-dim", type=int, default=overhead.SKETCH_DIM)
-    parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY), default="sketch",
-                        help="the monitored arm: sketch mode with the all-gather, or with exchange='carry'")
+    parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY, overhead.SKETCH_GATHER), default="sketch",
+                        help="the monitored arm: sketch mode as by default (shared memory on one host), with "
+                             "exchange='carry', or with exchange='gather'")
     return parser.parse_args(argv)
 
 

@@ -34,7 +34,9 @@ scales with model size.
 ``--modes hook-only`` adds an ablation arm: sketch mode's comm hook without the per-step exchange, which
 splits the sketch arm's cost between the hook's arithmetic and the exchange. ``--modes sketch-carry``
 adds another: sketch mode with ``exchange="carry"``, each step's rows riding on the next step's gradient
-all-reduce instead of an all-gather of their own, to measure what that saves.
+all-reduce instead of an all-gather of their own, to measure what that saves. ``--modes sketch-gather``: sketch
+mode with ``exchange="gather"``, an all-gather a step, where the ``sketch`` arm (the default, ``"auto"``) writes
+the rows to shared memory on one host.
 
 ``--models harness-llama`` rebuilds the independent harness of issue 13: a 2-layer
 ``LlamaForCausalLM`` (hidden 128, vocab 512) on random micro-batches of 4 x 128 tokens::
@@ -63,7 +65,12 @@ MODES = ("sketch", "exact")
 HOOK_ONLY = "hook-only"
 #: Not a monitor mode either: sketch mode with ``exchange="carry"`` (``--modes sketch-carry``).
 SKETCH_CARRY = "sketch-carry"
-ABLATIONS = (HOOK_ONLY, SKETCH_CARRY)
+#: Nor this: sketch mode with ``exchange="gather"``, the all-gather even where every rank is on one host (the
+#: default until 2026-11-27; ``--modes sketch-gather``).
+SKETCH_GATHER = "sketch-gather"
+ABLATIONS = (HOOK_ONLY, SKETCH_CARRY, SKETCH_GATHER)
+#: The ``exchange`` each ablation passes (the others take the monitor's default).
+EXCHANGE_OF = {SKETCH_CARRY: "carry", SKETCH_GATHER: "gather"}
 SKETCH_DIM = 4096
 BOOTSTRAP_RESAMPLES = 2000
 #: Distinct step batches the measured rounds cycle through.
@@ -132,8 +139,8 @@ class Arm:
             # Passed only when asked for, so the script also runs against a monitor without the option.
             options = {"reduction_every": setting.reduction_every} if setting.reduction_every else {}
             monitor_class = _HookOnlyMonitor() if mode == HOOK_ONLY else WorkerConsistencyMonitor
-            if mode == SKETCH_CARRY:
-                options = {**options, "exchange": "carry"}
+            if mode in EXCHANGE_OF:
+                options = {**options, "exchange": EXCHANGE_OF[mode]}
             self.monitor = monitor_class(
                 self.ddp, direction="sketch" if mode in ABLATIONS else mode, sketch_dim=setting.sketch_dim,
                 every=setting.every, seed=self.train.seed, **options,
@@ -373,7 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=["tiny-gpt2", "small-gpt2"], help="presets; the first is the default probe's")
     parser.add_argument("--modes", nargs="+", choices=(*MODES, *ABLATIONS), default=list(MODES),
                         help=f"monitor directions to measure ({HOOK_ONLY}: sketch mode's hook without the exchange; "
-                             f"{SKETCH_CARRY}: sketch mode with exchange='carry')")
+                             f"{SKETCH_CARRY}: sketch mode with exchange='carry'; {SKETCH_GATHER}: with exchange='gather')")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per arm (rounded up to whole blocks)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before measuring")
     parser.add_argument("--block", type=int, default=Setting.block,

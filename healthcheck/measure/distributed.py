@@ -286,6 +286,19 @@ def broadcast(tensor, src: int, group=None) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
+def timeout_s(group=None) -> float:
+    """The group's collective timeout in seconds, for a wait that is not a collective (the shared rows); torch's
+    default where the backend's options cannot be read (private names: torch keeps no public accessor)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 def barrier(group=None) -> None:
     import torch.distributed as dist
 

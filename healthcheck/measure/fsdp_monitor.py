@@ -81,12 +81,12 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         reduction_every: int = 0,
         process_group: Any = None,
         overlap: bool = True,
-        exchange: str = "gather",
+        exchange: str = "auto",
         reduce_scatter_every_microbatch: bool = False,
     ):
-        if exchange != "gather":
+        if exchange not in ("auto", "gather"):
             # FSDP2 reduce-scatters: no rank receives the whole reduced buffer, so nothing could carry the rows.
-            raise ValueError(f"exchange: FSDP2 gathers each step's numbers (exchange='gather'), got {exchange!r}")
+            raise ValueError(f"exchange: FSDP2 gathers each step's numbers (exchange='auto' or 'gather'), got {exchange!r}")
         groups = list(fsdp_internals.param_groups(model))
         if not groups:
             raise TypeError("WorkerConsistencyMonitor: the FSDP2 module has no parameter group to monitor")

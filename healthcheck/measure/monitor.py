@@ -14,12 +14,12 @@ The cosine to the mean is read off the sketches in sketch mode (as under FSDP2; 
 cosines) and off the Gram in exact mode; the norms, ‖ḡ‖² and the losses are exact in both.
 
 ``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
-step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With
-``exchange="carry"`` (sketch mode, ``overlap``) no collective of its own exchanges it: each rank's vector
-rides in its own slot of a block appended to the next step's last gradient bucket, whose SUM all-reduce
-hands every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes in
-:meth:`~WorkerConsistencyMonitor.flush`). The rows are converted to Python floats once and handed to
-:func:`healthcheck.measure.metrics.compute_step_metrics`.
+step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). In sketch mode
+with every rank on one host, the default ``exchange="auto"`` writes the rows to shared memory instead
+(:mod:`.shared_rows`: no collective). With ``exchange="carry"`` (sketch mode, ``overlap``) each rank's vector
+rides in its own slot of a block appended to the next step's last gradient bucket, whose SUM all-reduce hands
+every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes in ``flush``). The rows
+become Python floats once, for :func:`healthcheck.measure.metrics.compute_step_metrics`.
 
 The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module states the error bound:
 std of |Δcos| <= sqrt(2/p), p the sketch's prime width, e.g. 4093 for sketch_dim 4096); the exact
@@ -60,7 +60,7 @@ from healthcheck.measure.wait_clock import counted_as_waiting
 __all__ = ["DIRECTIONS", "EXCHANGES", "WorkerConsistencyMonitor"]
 
 #: How a step's numbers reach the other ranks (``WorkerConsistencyMonitor(exchange=...)``).
-EXCHANGES = ("gather", "carry")
+EXCHANGES = ("auto", "gather", "carry")
 
 
 class WorkerConsistencyMonitor(ConsistencyMonitor):
@@ -80,10 +80,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         process_group: Group to reduce and gather over; defaults to the model's.
         overlap: Gather each step's numbers asynchronously and read them one step later (see
             :meth:`end_step` and :mod:`healthcheck.measure.step_gather`); False: at once.
-        exchange: How a step's numbers reach the other ranks with ``overlap`` in sketch mode: "gather" (an
-            all-gather of their own) or "carry" (inside the next step's last gradient all-reduce: no extra
-            collective, but a rank that fails before that all-reduce takes the step's numbers with it; see
-            :meth:`_carry`).
+        exchange: How a step's numbers reach the other ranks in sketch mode: "auto" (shared memory where every
+            rank's tensors are on this host's CPU, :mod:`.shared_rows`; else as "gather"), "gather" (an all-gather
+            of their own) or "carry" (with ``overlap``, inside the next step's last gradient all-reduce; a rank
+            that fails before it takes the step's numbers with it; see :meth:`_carry`).
         **fsdp_options: FSDP2 only (:class:`~healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`).
 
     Raises:
@@ -112,7 +112,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         reduction_every: int = 0,
         process_group: Any = None,
         overlap: bool = True,
-        exchange: str = "gather",
+        exchange: str = "auto",
     ):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -137,7 +137,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
         if exchange == "carry" and not (direction == "sketch" and overlap):
             raise ValueError("exchange='carry' needs direction='sketch' and overlap=True (the rows ride a step later)")
-        self.exchange = exchange
+        self.exchange, self._share_rows = exchange, exchange == "auto" and direction == "sketch"
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)

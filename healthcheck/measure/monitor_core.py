@@ -15,8 +15,9 @@ import math
 import time
 from typing import Any, ContextManager, Iterable, Mapping
 
-from healthcheck.measure import distributed, runqueue, step_gather
+from healthcheck.measure import distributed, runqueue, shared_rows, step_gather
 from healthcheck.measure.metrics import StepMetrics
+from healthcheck.measure.shared_rows import SharedRows
 from healthcheck.measure.sketch import FoldedSketch
 from healthcheck.measure.step_gather import CLOSE_WAIT_S, InFlight
 from healthcheck.measure.wait_clock import WaitClock
@@ -65,6 +66,10 @@ class ConsistencyMonitor:
         self._step = 0
         self._closed = False
         self._inflight: InFlight | None = None
+        # Whether a step's row may go through shared memory (set by a monitor that offers it; cleared where the
+        # ranks could not attach), and the mapping once the first post attached (shared_rows.py).
+        self._share_rows = False
+        self._shared: SharedRows | None = None
         #: When this rank's latest gradient piece was ready, and when the previous step's reduction ended.
         self._arrived: float | None = None
         self._released: float | None = None
@@ -230,8 +235,21 @@ class ConsistencyMonitor:
             world=self._world,
             buckets=len(indices),
             overlap=self.overlap,
+            post=self._post_shared if self._share_rows else None,
             **pieces,
         )
+
+    def _post_shared(self, flat: Any) -> Any:
+        """The step's row through shared memory where every rank is on this host (:mod:`.shared_rows`), else None
+        (the all-gather). The first call on a host tensor attaches: a collective, taken alike by every rank."""
+        if flat.device.type != "cpu":
+            return None
+        if self._shared is None:
+            self._shared = shared_rows.attach(self._group, flat.numel(), distributed.timeout_s(self._group))
+            self._share_rows = self._shared is not None  # every rank agreed either way: none tries again
+            if self._shared is None:
+                return None
+        return self._shared.post(flat)
 
     def _dot_total(self, indices: list[int]) -> Any:
         """The header's ⟨g_i, ḡ⟩ column: a zero, as no monitor measures it. Sketch mode reads the cosine to the mean
@@ -270,6 +288,9 @@ class ConsistencyMonitor:
         self._inflight = None
         self._closed = True
         self._clear_partials()
+        if self._shared is not None:
+            self._shared.close()
+        self._shared, self._share_rows = None, False
         if self._sketcher is not None:
             self._sketcher.clear()
 

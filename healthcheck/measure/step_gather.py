@@ -19,7 +19,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from healthcheck.measure import distributed, host_vectors
 from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
@@ -146,6 +146,7 @@ def launch(
     overlap: bool = True,
     from_gram: str = "",
     carried: bool = False,
+    post: Optional[Callable[[Any], Any]] = None,
 ) -> InFlight:
     """Pack this rank's pieces (0-d device tensors or numbers; ``loss`` None = not measured) and gather them.
 
@@ -154,9 +155,15 @@ def launch(
     ``from_gram``: see :attr:`InFlight.from_gram` (exact mode always reads everything off its Gram).
     ``carried``: start no collective; the caller sends the vector later, inside a gradient all-reduce
     (:func:`carried_row`, :func:`receive_carried`) or, when none comes, with :func:`start_gather`.
+    ``post``: an exchange other than the all-gather, ``post(flat) -> (work, rows)`` as
+    :func:`~healthcheck.measure.distributed.all_gather_rows_async` returns them, or None to gather after all
+    (:meth:`healthcheck.measure.shared_rows.SharedRows.post`).
     """
     flat, names = pack(loss=loss, tokens=tokens, sqnorm=sqnorm, dot=dot, mean_sqnorm=mean_sqnorm, extras=extras, sketch=sketch)
-    if carried:
+    posted = post(flat) if post is not None and not carried else None
+    if posted is not None:
+        work, rows = posted
+    elif carried:
         work, rows = None, None
     elif overlap:
         work, rows = distributed.all_gather_rows_async(flat, group)

@@ -13,14 +13,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import glob
 import json
 import math
+import os
 import weakref
 
 import pytest
 import torch
 
-from healthcheck.measure import distributed, runqueue
+from healthcheck.measure import distributed, runqueue, shared_rows
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
 
@@ -142,12 +144,13 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
 
 
 def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
-                  overlap: bool = False, exchange: str = "gather") -> list:
+                  overlap: bool = False, exchange: str = "gather", shared_ok: bool = True) -> list:
     """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
     every one is checked against the reference kept from its own step. With ``exchange="carry"`` they
-    ride on the next step's last all-reduce instead of a gather.
+    ride on the next step's last all-reduce instead of a gather; with "auto" (sketch mode) they go through shared
+    memory, unless a rank could not map it (``shared_ok`` False: every rank must then gather).
     """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
@@ -184,7 +187,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
             check(m)
         elif not overlap:
             assert step % every, f"step {step} is sampled (every={every}) but end_step returned None"
-        if direction == "sketch" and exchange == "gather":
+        if direction == "sketch" and exchange in ("gather", "auto"):
             # Sketch mode divides each bucket in place: no all-reduce target, no copy of the gradient.
             assert not monitor._host_targets, "sketch mode kept an all-reduce target beside a bucket"
         _finish_step(ddp, reference_model)
@@ -193,13 +196,18 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         check(last)
     else:
         assert last is None
-    if overlap and direction == "sketch":
+    shared = exchange == "auto" and direction == "sketch" and shared_ok
+    if shared or (overlap and direction == "sketch"):
         # Carried, an fp32 bucket takes each step's rows to every rank, so the only gather of their own is
         # the last step's, in flush(); a bf16 bucket cannot hold them exactly: every sampled step has one.
-        expected = 1 if exchange == "carry" and dtype == torch.float32 else len(measured)
+        # In shared memory (every rank on this host) no step has one, flush() included.
+        expected = 0 if shared else 1 if exchange == "carry" and dtype == torch.float32 else len(measured)
         assert gathers.restore() == expected, f"{gathers.count} all-gathers of step rows, expected {expected}"
     else:
         gathers.restore()
+    assert (monitor._shared is not None) == shared
+    # Rank 0 unlinks the file once every rank mapped it: nothing is left even if the run is killed now.
+    assert not glob.glob(os.path.join(shared_rows.DIRECTORY, "healthcheck-rows-*")), "a shared-rows file was left behind"
     assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references
     assert measured[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {measured[-1].buckets}"
     # Guards the scenario itself: the bucket layout must change between the first and a later step.
@@ -309,6 +317,18 @@ def _check_bad_arguments() -> None:
             WorkerConsistencyMonitor(ddp, exchange="carry", **options)
 
 
+def _check_a_rank_that_cannot_map_makes_every_rank_gather() -> None:
+    # As a rank on another host would: it finds no file with rank 0's token. The ranks must agree, or the ones
+    # still posting to shared memory would wait for a row that never comes while the others sit in an all-gather.
+    original = shared_rows._map
+    if distributed.rank() == 1:
+        shared_rows._map = lambda *args: None  # type: ignore[assignment]
+    try:
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="auto", shared_ok=False)
+    finally:
+        shared_rows._map = original  # type: ignore[assignment]
+
+
 def _four_rank_worker() -> None:
     distributed.set_worker_threads(4)
     distributed.init_distributed("cpu", "gloo", 120)
@@ -322,6 +342,9 @@ def _four_rank_worker() -> None:
         _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True)
         _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2)
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True, exchange="carry")
+        _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True, exchange="auto")
+        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=3, exchange="auto")
+        _check_a_rank_that_cannot_map_makes_every_rank_gather()
         _check_nonfinite()
         _check_close_frees_the_model()
     finally:
@@ -334,6 +357,7 @@ def _eight_rank_worker() -> None:
     try:
         _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="carry")
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=4, overlap=True, exchange="auto")
     finally:
         distributed.destroy_distributed()
 

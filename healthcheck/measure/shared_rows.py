@@ -1,0 +1,201 @@
+"""A step's rows exchanged through shared memory when every rank runs on this host: no collective a step.
+
+Why: on a host whose ranks share cores, one gloo all-gather of a step's rows cost each rank ~3.3 ms of CPU, whatever
+its size (seven dependent ring hops at 8 ranks, each a TCP round through gloo's threads; README, Measured figures):
+~6% of the harness's step. Ranks on one host can instead write their rows into memory that all of them map.
+
+Layout. One file in ``/dev/shm``, which every rank of the group maps and rank 0 then unlinks, so nothing is left
+behind even when a rank is killed. A header (a random token, the world size, the capacity), then :data:`SLOTS`
+slots of ``world`` rows of ``capacity + 2`` float64: ``[begin stamp, end stamp, values...]``. This rank's n-th
+post (n >= 1) goes to slot ``n % SLOTS``.
+
+Protocol, a seqlock per row. The writer stores begin = n, fences, stores the values, fences, and stores end = n.
+A reader waits until every rank's end stamp reads n, fences, copies the rows, fences, and checks that every begin
+stamp still reads n: a row overwritten meanwhile would show there, and is an error. The fences come from a small C
+extension (``_fence.c``): numpy's stores are plain stores, which a CPU with a weaker memory model than x86's may
+make visible out of order. Without it this exchange is not offered (:func:`available`).
+
+Why two slots are enough, and why the wait costs nothing in a training loop. A rank reads post n at its next
+``end_step`` (post n + 1) or at ``flush``. In between it ran a backward whose gradient all-reduce needed every
+rank's part, which each rank sends only after its ``end_step`` of post n, so every row of post n is written by
+then. Likewise a rank writes post n + 2 only after a backward whose all-reduce needed every rank's part of that
+step, sent after that rank's ``end_step`` of post n + 1 returned: after its read of post n.
+
+    >>> available() in (True, False)
+    True
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from typing import Any, Optional
+
+from healthcheck.measure import distributed
+
+try:  # built by ``pip install`` where a C compiler is found (setup.py: optional)
+    from healthcheck.measure._fence import fence
+except ImportError:  # pragma: no cover - no fence: the all-gather is used
+    fence = None  # type: ignore[assignment]
+
+#: Slots a rank's rows cycle through (see the module docstring for why two are enough).
+SLOTS = 2
+#: Values a row holds beyond the first post's width: a reduction-check step adds a few extras.
+SPARE = 64
+#: Where the file is made: a tmpfs, so the rows never touch a disk.
+DIRECTORY = "/dev/shm"
+_HEADER = 4  # float64: token, world, capacity, slots
+
+
+def available() -> bool:
+    """Whether this process can offer the exchange: Linux's ``/dev/shm`` and the fence extension."""
+    return fence is not None and os.path.isdir(DIRECTORY)
+
+
+class SharedRows:
+    """The mapped file of one group's rows (built by :func:`attach`, a collective)."""
+
+    def __init__(self, buffer: mmap.mmap, rank: int, world: int, capacity: int, timeout_s: float):
+        import numpy as np
+
+        self._buffer = buffer
+        self.rank, self.world, self.capacity, self.timeout_s = rank, world, capacity, timeout_s
+        self._table = np.ndarray((SLOTS, world, capacity + 2), dtype=np.float64, buffer=buffer, offset=_HEADER * 8)
+        self._posts = 0
+
+    def post(self, flat: Any) -> Optional[tuple["Posted", Any]]:
+        """Write this rank's row (a 1-D float64 host tensor); ``(work, rows)`` as an asynchronous all-gather returns
+        them (``rows`` is valid once ``work`` completed), or None when the row is wider than the capacity (the caller
+        gathers it instead: every rank posts the same width, so every rank decides alike)."""
+        import torch
+
+        width = flat.numel()
+        if width > self.capacity:
+            return None
+        self._posts += 1
+        n = float(self._posts)
+        row = self._table[self._posts % SLOTS, self.rank]
+        row[0] = n
+        fence()
+        row[2 : 2 + width] = flat.numpy()
+        fence()
+        row[1] = n
+        out = torch.empty((self.world, width), dtype=torch.float64)
+        return Posted(self, self._posts, width, out), out
+
+    def read(self, post: int, width: int, out: Any) -> bool:
+        """Copy post ``post``'s rows into ``out`` if every rank has written them; whether it did."""
+        rows = self._table[post % SLOTS]
+        if not (rows[:, 1] == post).all():
+            if (rows[:, 1] > post).any():
+                raise RuntimeError(f"shared rows: post {post} was overwritten before it was read (a rank ran two steps "
+                                   "ahead of another without a gradient all-reduce in between)")
+            return False
+        fence()
+        out.numpy()[:] = rows[:, 2 : 2 + width]
+        fence()
+        if not (rows[:, 0] == post).all():
+            raise RuntimeError(f"shared rows: post {post} was overwritten while it was read (a rank ran two steps "
+                               "ahead of another without a gradient all-reduce in between)")
+        return True
+
+    def close(self) -> None:
+        """Unmap (a view still held elsewhere keeps the mapping until it is freed)."""
+        del self._table
+        try:
+            self._buffer.close()
+        except BufferError:
+            pass
+
+
+class Posted:
+    """A post's completion, with the interface of a collective's work object (``wait``, ``is_completed``)."""
+
+    def __init__(self, rows: SharedRows, post: int, width: int, out: Any):
+        self._rows, self._post, self._width, self._out = rows, post, width, out
+        self._done = False
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            self._done = self._rows.read(self._post, self._width, self._out)
+        return self._done
+
+    def wait(self) -> None:
+        """Poll until every rank's row is in (at once in a training loop; see the module docstring)."""
+        deadline, pause = time.monotonic() + self._rows.timeout_s, 5e-5
+        while not self.is_completed():
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"shared rows: post {self._post} still lacks a rank's row after {self._rows.timeout_s:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+
+def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:
+    """The group's shared rows, or None where they cannot be had (then every rank gathers). A collective: every rank
+    of ``group`` calls it with the same ``width`` (its first row's). Rank 0 makes the file and tells the others its
+    name; a rank on another host finds no such file with that token, and then no rank uses it."""
+    rank, world = distributed.rank(group), distributed.world_size(group)
+    capacity = width + SPARE
+    size = 8 * (_HEADER + SLOTS * world * (capacity + 2))
+    token = float(secrets.randbits(52))
+    path = ""
+    if rank == 0 and available():
+        path = _create(size, [token, world, capacity, SLOTS])
+    path, token = distributed.broadcast_object((path, token), src=distributed.group_ranks(group)[0], group=group)
+    mapped = _map(path, size, [token, world, capacity, SLOTS]) if path and available() else None
+    everyone = all(distributed.all_gather_objects(mapped is not None, group=group))
+    if rank == 0 and path:
+        _unlink(path)
+    if not everyone:
+        if mapped is not None:
+            mapped.close()
+        return None
+    assert mapped is not None
+    return SharedRows(mapped, rank, world, capacity, timeout_s)
+
+
+def _create(size: int, header: list[float]) -> str:
+    """A new zeroed file of ``size`` bytes with ``header`` at its start; its path, or "" where it cannot be made."""
+    import struct
+
+    path = os.path.join(DIRECTORY, f"healthcheck-rows-{secrets.token_hex(8)}")
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return ""
+    try:
+        os.ftruncate(descriptor, size)
+        os.pwrite(descriptor, struct.pack(f"{len(header)}d", *header), 0)
+    except OSError:
+        os.close(descriptor)
+        _unlink(path)
+        return ""
+    os.close(descriptor)
+    return path
+
+
+def _map(path: str, size: int, header: list[float]) -> Optional[mmap.mmap]:
+    """The file mapped shared, if it is the one rank 0 made (same size and header), else None."""
+    import struct
+
+    try:
+        descriptor = os.open(path, os.O_RDWR)
+    except OSError:  # another host's rank 0 made it
+        return None
+    try:
+        if os.fstat(descriptor).st_size != size or os.pread(descriptor, 8 * len(header), 0) != struct.pack(f"{len(header)}d", *header):
+            return None
+        return mmap.mmap(descriptor, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
