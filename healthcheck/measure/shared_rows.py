@@ -102,8 +102,9 @@ class SharedRows:
         return True
 
     def close(self) -> None:
-        """Unmap (a view still held elsewhere keeps the mapping until it is freed)."""
-        del self._table
+        """Unmap (a view still held elsewhere keeps the mapping until it is freed). Closing twice does nothing."""
+        if self.__dict__.pop("_table", None) is None:
+            return
         try:
             self._buffer.close()
         except BufferError:
@@ -166,7 +167,8 @@ def _create(size: int, header: list[float]) -> str:
     except OSError:
         return ""
     try:
-        os.ftruncate(descriptor, size)
+        # Reserved now, not on first touch: a tmpfs that fills up later would kill a rank with SIGBUS mid-step.
+        os.posix_fallocate(descriptor, 0, size)
         os.pwrite(descriptor, struct.pack(f"{len(header)}d", *header), 0)
     except OSError:
         os.close(descriptor)

@@ -23,6 +23,7 @@ def ranks():
     yield views
     for view in views:
         view.close()
+        view.close()  # idempotent: a monitor may close after a failure path already did
 
 
 def _row(rank: int, step: int, width: int = 10) -> torch.Tensor:
@@ -71,3 +72,16 @@ def test_a_file_of_another_run_is_not_mapped(tmp_path, monkeypatch):
     mapped.close()
     shared_rows._unlink(path)
     assert not glob.glob(str(tmp_path / "healthcheck-rows-*"))
+
+
+def test_a_file_that_cannot_be_made_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_rows, "DIRECTORY", str(tmp_path / "missing"))  # no such directory: no shared rows
+    assert shared_rows._create(4096, [1.0, 2.0, 3.0, 2.0]) == ""
+    monkeypatch.setattr(shared_rows, "DIRECTORY", str(tmp_path))
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared_rows.os, "posix_fallocate", full)  # a full tmpfs: refused now, not SIGBUS later
+    assert shared_rows._create(4096, [1.0, 2.0, 3.0, 2.0]) == ""
+    assert not list(tmp_path.iterdir())
