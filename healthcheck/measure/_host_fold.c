@@ -25,10 +25,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* x86-64: AVX2 and AVX-512 clones of the row loop, picked at load time (the wheel stays portable); elsewhere the
+ * compiler's default target only. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ROW_CLONES
+#endif
+
 /* One row of one dtype. The in-place and read-only loops are separate so that each keeps its pointers
  * unaliased and vectorizes. */
 #define FOLD_ROW(NAME, T)                                                                                     \
-    __attribute__((target_clones("avx512f", "avx2", "default")))                                              \
+    ROW_CLONES                                                                                                \
     static void NAME(T *x, const float *tau, const int64_t *row, float sign, Py_ssize_t p, Py_ssize_t m,      \
                      T *acc2, T *sq, T divisor, int mode) {                                                   \
         const int64_t base = row[0], lo = row[1], hi = row[2];                                                \

@@ -85,14 +85,14 @@ def divide_square_sketch(buffer: Any, target: Any, *, world: int, k: int, seed: 
             divides in place (each run is divided after it was folded and squared).
         world, k, seed, bucket_id: The divisor, and the sketch's arguments (as :func:`sketch_bucket`'s).
     """
+    if compiled():
+        return _divide_square_sketch_c(buffer, target, world=world, k=k, seed=seed, bucket_id=bucket_id)
     import numpy as np
     import torch
 
     from healthcheck.measure.sketch import _sketch_host
     from healthcheck.measure.sketch_layout import get_layout, plan
 
-    if compiled():
-        return _divide_square_sketch_c(buffer, target, world=world, k=k, seed=seed, bucket_id=bucket_id)
     lay = get_layout(int(k))
     out = target.reshape(-1).numpy()
     pieces = plan(buffer.numel(), 0, lay, int(seed), int(bucket_id), max(1, RUN_ELEMENTS // lay.L))
