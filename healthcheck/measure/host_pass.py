@@ -34,7 +34,6 @@ runs (numpy) in float64. The two agree to fp32 rounding (``tests/unit/measure/te
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 try:  # built by ``pip install`` where a C compiler is found (setup.py: optional)
@@ -57,9 +56,9 @@ def fuses(buffer: Any) -> bool:
 
 def compiled() -> bool:
     """Whether :func:`divide_square_sketch` runs the C pass: the extension was built and not switched off."""
-    from healthcheck.measure.sketch import KERNEL_SWITCH
+    from healthcheck.measure.sketch import compiled_allowed
 
-    return _host_fold is not None and os.environ.get(KERNEL_SWITCH) != "torch"
+    return _host_fold is not None and compiled_allowed()
 
 
 @functools.lru_cache(maxsize=4096)

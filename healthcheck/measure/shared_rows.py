@@ -90,15 +90,13 @@ class SharedRows:
         rows = self._table[post % SLOTS]
         if not (rows[:, 1] == post).all():
             if (rows[:, 1] > post).any():
-                raise RuntimeError(f"shared rows: post {post} was overwritten before it was read (a rank ran two steps "
-                                   "ahead of another without a gradient all-reduce in between)")
+                raise _overwritten(post, "before")
             return False
         fence()
         out.numpy()[:] = rows[:, 2 : 2 + width]
         fence()
         if not (rows[:, 0] == post).all():
-            raise RuntimeError(f"shared rows: post {post} was overwritten while it was read (a rank ran two steps "
-                               "ahead of another without a gradient all-reduce in between)")
+            raise _overwritten(post, "while")
         return True
 
     def close(self) -> None:
@@ -109,6 +107,11 @@ class SharedRows:
             self._buffer.close()
         except BufferError:
             pass
+
+
+def _overwritten(post: int, when: str) -> RuntimeError:
+    return RuntimeError(f"shared rows: post {post} was overwritten {when} it was read (a rank ran two steps ahead of "
+                        "another without a gradient all-reduce in between)")
 
 
 class Posted:
@@ -157,10 +160,15 @@ def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:
     return SharedRows(mapped, rank, world, capacity, timeout_s)
 
 
-def _create(size: int, header: list[float]) -> str:
-    """A new zeroed file of ``size`` bytes with ``header`` at its start; its path, or "" where it cannot be made."""
+def _header_bytes(header: list[float]) -> bytes:
+    """The file's first bytes: ``header`` as float64 (written by rank 0, compared by the others)."""
     import struct
 
+    return struct.pack(f"{len(header)}d", *header)
+
+
+def _create(size: int, header: list[float]) -> str:
+    """A new zeroed file of ``size`` bytes with ``header`` at its start; its path, or "" where it cannot be made."""
     path = os.path.join(DIRECTORY, f"healthcheck-rows-{secrets.token_hex(8)}")
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -169,7 +177,7 @@ def _create(size: int, header: list[float]) -> str:
     try:
         # Reserved now, not on first touch: a tmpfs that fills up later would kill a rank with SIGBUS mid-step.
         os.posix_fallocate(descriptor, 0, size)
-        os.pwrite(descriptor, struct.pack(f"{len(header)}d", *header), 0)
+        os.pwrite(descriptor, _header_bytes(header), 0)
     except OSError:
         os.close(descriptor)
         _unlink(path)
@@ -180,14 +188,12 @@ def _create(size: int, header: list[float]) -> str:
 
 def _map(path: str, size: int, header: list[float]) -> Optional[mmap.mmap]:
     """The file mapped shared, if it is the one rank 0 made (same size and header), else None."""
-    import struct
-
     try:
         descriptor = os.open(path, os.O_RDWR)
     except OSError:  # another host's rank 0 made it
         return None
     try:
-        if os.fstat(descriptor).st_size != size or os.pread(descriptor, 8 * len(header), 0) != struct.pack(f"{len(header)}d", *header):
+        if os.fstat(descriptor).st_size != size or os.pread(descriptor, 8 * len(header), 0) != _header_bytes(header):
             return None
         return mmap.mmap(descriptor, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError:

@@ -275,8 +275,8 @@ def _partial_padded(acc2: Any, xs: Any, tau: Any, u: int, move: tuple[int, float
     acc2[r : r + p].add_(folded[0], alpha=eps)
 
 
-#: ``HEALTHCHECK_SKETCH_KERNEL=torch`` keeps a GPU on the torch executor (read per bucket: how a benchmark prices
-#: the kernel in one process).
+#: ``HEALTHCHECK_SKETCH_KERNEL=torch`` turns the compiled sketches off: a GPU keeps the torch executor, a host the
+#: numpy pass (read per bucket: how a benchmark prices them in one process; :func:`compiled_allowed`).
 KERNEL_SWITCH = "HEALTHCHECK_SKETCH_KERNEL"
 _KERNEL_OFF: list[BaseException] = []  # set when the kernel failed once in this process: it is not tried again
 
@@ -290,10 +290,16 @@ def _kernel_module() -> Any:
     return sketch_kernel
 
 
+def compiled_allowed() -> bool:
+    """Whether :data:`KERNEL_SWITCH` lets a compiled sketch run (the Triton kernel here, the host's C pass in
+    :mod:`healthcheck.measure.host_pass`)."""
+    return os.environ.get(KERNEL_SWITCH) != "torch"
+
+
 def _kernel_for(x: Any) -> Any:
     """:mod:`.sketch_kernel` if it takes ``x`` (a contiguous CUDA tensor, Triton installed, not switched off), else None.
     The device is looked at first, so a host run never imports Triton."""
-    if x.device.type != "cuda" or _KERNEL_OFF or os.environ.get(KERNEL_SWITCH) == "torch":
+    if x.device.type != "cuda" or _KERNEL_OFF or not compiled_allowed():
         return None
     module = _kernel_module()
     return module if module is not None and module.usable(x) else None
