@@ -9,7 +9,8 @@ cores a torch op cost 5-10 µs of dispatch where a numpy call costs ~1 (reading 
     >>> flat = pack([1.0, 2.0, 3.0], torch.tensor([0.5, -1.0, 2.0]))
     >>> flat.dtype, flat.numel()  # 3 header floats, then 3 fp32 sketch values padded to 2 float64 slots
     (torch.float64, 5)
-    >>> header_and_gram(torch.stack([flat, flat]), 3, 3)
+    >>> header, gram = header_and_gram(torch.stack([flat, flat]), 3, 3)
+    >>> header, gram.tolist()
     ([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], [[5.25, 5.25], [5.25, 5.25]])
 """
 
@@ -32,11 +33,11 @@ def pack(header: list[float], sketch: Any) -> Any:
     return torch.from_numpy(flat)
 
 
-def header_and_gram(rows: Any, width: int, dim: int) -> tuple[list[list[float]], list[list[float]]]:
+def header_and_gram(rows: Any, width: int, dim: int) -> tuple[list[list[float]], Any]:
     """From gathered ``[world, width + ceil(dim / 2)]`` rows: each rank's ``width`` header values, and the
-    float64 Gram of the ranks' ``dim``-long sketches."""
+    float64 Gram of the ranks' ``dim``-long sketches (a numpy array: the metrics take it as it is)."""
     import numpy as np
 
     host = rows.numpy()
     sketches = np.ascontiguousarray(host[:, width:]).view(np.float32)[:, :dim].astype(np.float64)
-    return host[:, :width].tolist(), (sketches @ sketches.T).tolist()
+    return host[:, :width].tolist(), sketches @ sketches.T

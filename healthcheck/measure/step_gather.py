@@ -311,7 +311,7 @@ def gathered(*, step: int, direction: str, world: int, rows: Any, names: list[st
     )
 
 
-def dots_from_sketch_cosines(gram: list[list[float]], sqnorms: list[float], mean_sq: float) -> list[float]:
+def dots_from_sketch_cosines(gram: Any, sqnorms: list[float], mean_sq: float) -> list[float]:
     """⟨g_i, ḡ⟩ as the sketches' cosine to their mean times the exact norms: the cosine to the mean is then
     the sketch's estimate, and the norms (used by the dispersion and diversity metrics) stay exact.
 
@@ -357,16 +357,16 @@ def complete(inflight: InFlight) -> StepMetrics:
     if inflight.carried:
         sketches = rows[:, (CARRY_PARTS + 1) * width :].to(torch.float64)
         values = decode_header(rows[:, : (CARRY_PARTS + 1) * width].cpu().tolist(), width)
-        gram_rows = (sketches @ sketches.T).cpu().tolist()
+        gram_rows = (sketches @ sketches.T).cpu().numpy()
     elif inflight.gram is None and rows.device.type == "cpu":
         values, gram_rows = host_vectors.header_and_gram(rows, width, inflight.sketch_dim)
     else:
         values = rows[:, :width].cpu().tolist()
         if inflight.gram is None:
             sketches = unpack_sketches(rows, width, inflight.sketch_dim)
-            gram_rows = (sketches @ sketches.T).cpu().tolist()
+            gram_rows = (sketches @ sketches.T).cpu().numpy()
         else:
-            gram_rows = inflight.gram.cpu().tolist()
+            gram_rows = inflight.gram.cpu().numpy()
 
     def column(name: str) -> list[float]:
         return [row[_COLUMN[name]] for row in values]

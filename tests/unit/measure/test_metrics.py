@@ -197,6 +197,48 @@ def test_nonfinite_flag_alone_lists_the_rank():
     assert m.nonfinite_ranks == [1]
 
 
+
+special = st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 5e-324, 1e300, -1.0])
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 7).flatmap(
+    lambda n: st.lists(st.lists(st.floats(-1e3, 1e3) | special, min_size=n, max_size=n), min_size=n, max_size=n)
+))
+def test_cosine_matrix_is_the_scalar_formula_to_the_bit(gram):
+    # The vectorised cosines take, entry by entry, the IEEE operations of the formula written out for one
+    # entry (a Python float loop until 2026-11-27): the same bits, NaN and the clip at ±1 included.
+    import numpy as np
+
+    def one(i, j):
+        norm = [math.sqrt(row[k]) if row[k] > 0 and math.isfinite(row[k]) else math.nan for k, row in enumerate(gram)]
+        if i == j and not math.isnan(norm[i]):
+            return 1.0
+        ratio = gram[i][j] / (norm[i] * norm[j]) if norm[i] * norm[j] != 0 else math.nan
+        return ratio if math.isnan(ratio) else min(1.0, max(-1.0, ratio))
+
+    expected = [[one(i, j) for j in range(len(gram))] for i in range(len(gram))]
+    for got in (gram_to_cosine(gram), gram_to_cosine(np.array(gram))):
+        assert json.dumps(got) == json.dumps(expected)  # repr of every float: the bits, NaN and -0.0 included
+
+
+def test_gram_must_be_square():
+    import numpy as np
+
+    for bad in ([[1.0, 2.0]], np.ones((2, 3))):
+        try:
+            gram_to_cosine(bad)
+        except ValueError as error:
+            assert "square" in str(error)
+        else:
+            raise AssertionError("a non-square Gram was accepted")
+
+
+def test_dispersion_of_huge_values_is_infinite_not_an_error():
+    # A float power raised OverflowError past 1.8e308: a diverging run must get a metric, not a crash.
+    std, spread, cv = dispersion([1e300, -1e300])
+    assert (std, spread) == (math.inf, 2e300) and math.isnan(cv)
+
 def test_window_summary_on_known_values():
     summary = window_summary(range(1, 101))
     assert (summary["median"], summary["min"], summary["max"]) == (50.5, 1.0, 100.0)
