@@ -36,7 +36,8 @@ splits the sketch arm's cost between the hook's arithmetic and the exchange. ``-
 adds another: sketch mode with ``exchange="carry"``, each step's rows riding on the next step's gradient
 all-reduce instead of an all-gather of their own, to measure what that saves. ``--modes sketch-gather``: sketch
 mode with ``exchange="gather"``, an all-gather a step, where the ``sketch`` arm (the default, ``"auto"``) writes
-the rows to shared memory on one host.
+the rows to shared memory on one host. ``--modes python-hook`` is no monitor: DDP with torch's own Python
+``allreduce_hook``, what any comm hook costs before it measures anything.
 
 ``--models harness-llama`` rebuilds the independent harness of issue 13: a 2-layer
 ``LlamaForCausalLM`` (hidden 128, vocab 512) on random micro-batches of 4 x 128 tokens::
@@ -68,7 +69,10 @@ SKETCH_CARRY = "sketch-carry"
 #: Nor this: sketch mode with ``exchange="gather"``, the all-gather even where every rank is on one host (the
 #: default until 2026-11-27; ``--modes sketch-gather``).
 SKETCH_GATHER = "sketch-gather"
-ABLATIONS = (HOOK_ONLY, SKETCH_CARRY, SKETCH_GATHER)
+#: Not a monitor at all: DDP with torch's own Python ``allreduce_hook`` (``--modes python-hook``), the floor under any
+#: monitor that is a DDP comm hook (a Python call and a future callback per bucket, where plain DDP stays in C++).
+PYTHON_HOOK = "python-hook"
+ABLATIONS = (HOOK_ONLY, SKETCH_CARRY, SKETCH_GATHER, PYTHON_HOOK)
 #: The ``exchange`` each ablation passes (the others take the monitor's default).
 EXCHANGE_OF = {SKETCH_CARRY: "carry", SKETCH_GATHER: "gather"}
 SKETCH_DIM = 4096
@@ -135,7 +139,11 @@ class Arm:
             gradient_as_bucket_view=probe_config.distributed.gradient_as_bucket_view,
         )
         self.monitor = None
-        if mode != PLAIN:
+        if mode == PYTHON_HOOK:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif mode != PLAIN:
             # Passed only when asked for, so the script also runs against a monitor without the option.
             options = {"reduction_every": setting.reduction_every} if setting.reduction_every else {}
             monitor_class = _HookOnlyMonitor() if mode == HOOK_ONLY else WorkerConsistencyMonitor
@@ -380,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=["tiny-gpt2", "small-gpt2"], help="presets; the first is the default probe's")
     parser.add_argument("--modes", nargs="+", choices=(*MODES, *ABLATIONS), default=list(MODES),
                         help=f"monitor directions to measure ({HOOK_ONLY}: sketch mode's hook without the exchange; "
-                             f"{SKETCH_CARRY}: sketch mode with exchange='carry'; {SKETCH_GATHER}: with exchange='gather')")
+                             f"{SKETCH_CARRY}: sketch mode with exchange='carry'; {SKETCH_GATHER}: with exchange='gather'; "
+                             f"{PYTHON_HOOK}: no monitor, torch's Python allreduce_hook)")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per arm (rounded up to whole blocks)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before measuring")
     parser.add_argument("--block", type=int, default=Setting.block,

@@ -28,15 +28,18 @@ def test_cli_defaults_cover_the_matrix(overhead):
     ]
     assert set(args.modes) == {"sketch", "exact"}
     assert overhead.parse_args(["--modes", "hook-only", "sketch-carry"]).modes == ["hook-only", "sketch-carry"]
+    assert overhead.parse_args(["--modes", "python-hook"]).modes == ["python-hook"]
 
 
 @pytest.mark.multiprocess
 def test_two_ranks_two_steps_print_every_column(overhead):
-    setting = overhead.Setting(model="tiny-gpt2", modes=("sketch", "exact"), steps=2, warmup=1, block=1)
+    setting = overhead.Setting(model="tiny-gpt2", modes=("sketch", "exact", "python-hook"), steps=2, warmup=1, block=1)
     rows = overhead.measure(setting, nproc=2)
     table = overhead.render_table(rows).splitlines()
     assert table[0].split() == list(overhead.COLUMNS)
-    assert [line.split()[:3] for line in table[1:]] == [["tiny-gpt2", "2", "sketch"], ["tiny-gpt2", "2", "exact"]]
+    assert [line.split()[:3] for line in table[1:]] == [
+        ["tiny-gpt2", "2", "sketch"], ["tiny-gpt2", "2", "exact"], ["tiny-gpt2", "2", "python-hook"],
+    ]
     for row in rows:
         assert row.plain_ms > 0 and row.monitored_ms > 0
         assert math.isclose(row.ratio, row.monitored_ms / row.plain_ms)
