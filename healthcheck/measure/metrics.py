@@ -162,7 +162,7 @@ def _square_array(matrix: Any) -> Any:
 
 def _cosine_array(gram: Any) -> Any:
     """:func:`gram_to_cosine` as a numpy array. Vectorised because every rank computes it every step and the
-    matrix grows as N²: with the Python loop it replaced, a step's metrics on 256 ranks took ~52 ms of each
+    matrix grows as N²: with the Python loop it replaced, a step's metrics on 256 ranks took 50-80 ms of each
     rank's host time (README, Measured figures). Each entry takes the same IEEE operations as
     ``G_ij / (‖g_i‖ ‖g_j‖)`` written out for one entry, so the bits are the loop's."""
     import numpy as np
