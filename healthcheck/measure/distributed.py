@@ -17,7 +17,7 @@ import dataclasses
 import datetime
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
 
@@ -297,6 +297,21 @@ def timeout_s(group=None) -> float:
         return float(backend.options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return float(dist.default_pg_timeout.total_seconds())
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, max_pause_s: float) -> bool:
+    """Poll ``done`` until it is true or ``timeout_s`` passed; whether it became true. The pause doubles from 50 µs
+    up to ``max_pause_s``: what is polled here (a peer's row, an asynchronous collective) is usually in already,
+    and a peer may be gone for good, so a wait that blocks would never return."""
+    import time
+
+    deadline, pause = time.monotonic() + timeout_s, 5e-5
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, max_pause_s)
+    return True
 
 
 def barrier(group=None) -> None:

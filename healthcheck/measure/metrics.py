@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from healthcheck.finite import json_safe
+from healthcheck.finite import finite_values, json_safe
 
 NAN = float("nan")
 
@@ -88,11 +88,6 @@ def fsum(values: Iterable[float]) -> float:
         return sum(values)
 
 
-def _finite(values: list[float]) -> list[float]:
-    # finite_values for what is already a list of floats, without its per-value type check (hot: every step).
-    return [value for value in values if math.isfinite(value)]
-
-
 def _safe_div(numerator: float, denominator: float) -> float:
     # 0/0 and x/0 are reported as NaN rather than raising: a metric, not a crash.
     if denominator == 0 or not math.isfinite(denominator):
@@ -114,7 +109,7 @@ def dispersion(values: Sequence[float] | Any) -> tuple[float, float, float]:
     >>> dispersion([2.0, float("nan"), 2.0])
     (0.0, 0.0, 0.0)
     """
-    kept = _finite(as_floats(values))
+    kept = finite_values(as_floats(values))
     if not kept:
         return NAN, NAN, NAN
     low, high = min(kept), max(kept)
@@ -271,7 +266,7 @@ def batch_sizes(per_rank_tokens: Sequence[float] | None, world_size: int) -> tup
     (1.0, 4.0, 'batches')
     """
     tokens = as_floats(per_rank_tokens) if per_rank_tokens is not None else []
-    if tokens and len(_finite(tokens)) == len(tokens):
+    if tokens and len(finite_values(tokens)) == len(tokens):
         return fsum(tokens) / len(tokens), fsum(tokens), "tokens"
     return 1.0, float(world_size), "batches"
 
@@ -360,7 +355,7 @@ def compute_step_metrics(
     grad_norm_std, _, grad_norm_cv = dispersion(norms)
     cosine_mean, cosine_min = cosine_summary(cosine)
     tokens = as_floats(per_rank_tokens) if per_rank_tokens is not None else None
-    if tokens is not None and len(_finite(tokens)) != len(tokens):
+    if tokens is not None and len(finite_values(tokens)) != len(tokens):
         tokens = None
     b_small, b_big, unit = batch_sizes(tokens, world)
     grad_sqnorm, trace_sigma, noise = noise_scale_estimators(fsum(sqnorms) / world, mean_sqnorm, b_small, b_big)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import time
 from typing import Any, Optional
 
 from healthcheck.measure import distributed
@@ -128,12 +127,8 @@ class Posted:
 
     def wait(self) -> None:
         """Poll until every rank's row is in (at once in a training loop; see the module docstring)."""
-        deadline, pause = time.monotonic() + self._rows.timeout_s, 5e-5
-        while not self.is_completed():
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"shared rows: post {self._post} still lacks a rank's row after {self._rows.timeout_s:.0f} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+        if not distributed.wait_until(self.is_completed, self._rows.timeout_s, max_pause_s=1e-3):
+            raise RuntimeError(f"shared rows: post {self._post} still lacks a rank's row after {self._rows.timeout_s:.0f} s")
 
 
 def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:

@@ -329,16 +329,9 @@ def dots_from_sketch_cosines(gram: Any, sqnorms: list[float], mean_sq: float) ->
 
 def finished_within(inflight: InFlight, timeout_s: float) -> bool:
     """Whether the gather has finished, waiting at most ``timeout_s`` (polling: a peer may be gone for good)."""
-    import time
-
     if inflight.work is None:
         return True
-    deadline = time.monotonic() + timeout_s
-    while not inflight.work.is_completed():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return distributed.wait_until(inflight.work.is_completed, timeout_s, max_pause_s=0.01)
 
 
 def complete(inflight: InFlight) -> StepMetrics:
