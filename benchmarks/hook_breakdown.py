@@ -6,12 +6,16 @@ sketch mode with ``every=1``, by default; with ``--mode sketch-carry`` or ``sket
 one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with
 ``time.thread_time``, the CPU its thread spent inside the monitor's comm hook, its after-the-all-reduce
 callback and ``end_step``, and inside the pieces those call (the norm, sketch and division, the squared norms, the packing,
-the gather's launch or the carried row, the metrics). Prints the median over
-steps, per rank and over ranks, in ms.
+the gather's launch or the carried row, the metrics, their publication and reading). Prints the median over
+steps (``--statistic mean``: the mean, the right one for a piece that only some steps run, such as the metrics
+that one rank computes for all), per rank, and the median over ranks, in ms.
+
+A piece that the checkout under test lacks is left out, so that the script also times an older checkout for an
+A/B (``PYTHONPATH=<checkout> python benchmarks/hook_breakdown.py``).
 
 What the pieces do not show is the CPU of gloo's own threads: the step delta minus the monitor's pieces.
 
-    python benchmarks/hook_breakdown.py --nproc 8 --steps 40 [--mode sketch-carry]
+    python benchmarks/hook_breakdown.py --nproc 8 --steps 40 [--mode sketch-carry] [--statistic mean]
 
 The wrapping costs ~1 µs a call, a few dozen calls a step: noise against the figures.
 """
@@ -47,8 +51,10 @@ PIECES: tuple[tuple[str, str, str | None, str], ...] = (
     ("healthcheck.measure.distributed", "all_gather_rows_async", None, "  start the all-gather"),
     ("healthcheck.measure.shared_rows", "SharedRows", "post", "  post the row to shared memory"),
     ("healthcheck.measure.shared_rows", "SharedRows", "read", "  read the rows from shared memory"),
-    ("healthcheck.measure.step_gather", "complete", None, "  complete the previous step"),
+    ("healthcheck.measure.step_gather", "complete", None, "  compute a step's metrics (the claimant, or a fallback)"),
     ("healthcheck.measure.step_gather", "compute_step_metrics", None, "    its metrics"),
+    ("healthcheck.measure.shared_rows", "SharedRows", "publish", "  publish them (the claimant)"),
+    ("healthcheck.measure.shared_rows", "SharedRows", "published", "  read the published metrics"),
 )
 
 
@@ -60,8 +66,10 @@ def instrument(totals: dict[str, float]) -> Callable[[], None]:
     for module_name, attribute, method, label in PIECES:
         owner: Any = importlib.import_module(module_name)
         if method is not None:
-            owner, attribute = getattr(owner, attribute), method
-        original = getattr(owner, attribute)
+            owner, attribute = getattr(owner, attribute, None), method
+        original = getattr(owner, attribute, None)
+        if original is None:  # an older checkout timed for an A/B (tests/unit/benchmarks checks this one has all)
+            continue
 
         def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
             start = time.thread_time()
@@ -84,17 +92,22 @@ def instrument(totals: dict[str, float]) -> Callable[[], None]:
     return restore
 
 
-def medians(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Per-key median over steps; a piece a step did not call counts 0 there.
+def medians(steps: list[dict[str, float]], statistic: str = "median") -> dict[str, float]:
+    """Per-key median (or mean) over steps; a piece a step did not call counts 0 there.
 
     >>> medians([{"a": 1.0, "b": 4.0}, {"a": 3.0}, {"a": 2.0, "b": 2.0}])
     {'a': 2.0, 'b': 2.0}
+    >>> medians([{"a": 1.0, "b": 3.0}, {"a": 3.0}], "mean")
+    {'a': 2.0, 'b': 1.5}
     """
     keys = list(dict.fromkeys(key for step in steps for key in step))
-    return {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
+    of = statistics.mean if statistic == "mean" else statistics.median
+    return {key: of(step.get(key, 0.0) for step in steps) for key in keys}
 
 
-def breakdown_worker(steps: int, warmup: int, sketch_dim: int, mode: str = "sketch") -> list[dict[str, float]] | None:
+def breakdown_worker(
+    steps: int, warmup: int, sketch_dim: int, mode: str = "sketch", statistic: str = "median"
+) -> list[dict[str, float]] | None:
     import torch
 
     from healthcheck.measure import distributed as hdist
@@ -133,7 +146,7 @@ def breakdown_worker(steps: int, warmup: int, sketch_dim: int, mode: str = "sket
             undo()
         for arm in arms.values():
             arm.close()
-        every_rank = hdist.all_gather_objects(medians(rows))
+        every_rank = hdist.all_gather_objects(medians(rows, statistic))
         return every_rank if info.rank == 0 else None
     finally:
         hdist.destroy_distributed()
@@ -176,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY, overhead.SKETCH_GATHER), default="sketch",
                         help="the monitored arm: sketch mode as by default (shared memory on one host), with "
                              "exchange='carry', or with exchange='gather'")
+    parser.add_argument("--statistic", choices=("median", "mean"), default="median",
+                        help="over steps: the median (the default), or the mean (a piece that runs in some steps only)")
     return parser.parse_args(argv)
 
 
@@ -184,9 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     from healthcheck.run import launcher
 
     results = launcher.launch_local(
-        breakdown_worker, args.nproc, args=(args.steps, args.warmup, args.sketch_dim, args.mode), run_id="hook-breakdown"
+        breakdown_worker, args.nproc, args=(args.steps, args.warmup, args.sketch_dim, args.mode, args.statistic), run_id="hook-breakdown"
     )
-    print(f"# {overhead.HARNESS}, {args.nproc} ranks, {args.steps} steps per arm, {args.mode} k={args.sketch_dim}, every=1")
+    import healthcheck
+
+    print(f"# {overhead.HARNESS}, {args.nproc} ranks, {args.steps} steps per arm, {args.mode} k={args.sketch_dim}, every=1, "
+          f"{args.statistic} over steps, healthcheck from {Path(healthcheck.__file__).parent.parent}")
     print(render(results[0]))
 
 

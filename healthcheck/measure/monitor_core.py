@@ -12,6 +12,7 @@ check are the subclass's (:meth:`ConsistencyMonitor._exact_pieces`, :meth:`Consi
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from typing import Any, ContextManager, Iterable, Mapping
 
@@ -153,8 +154,9 @@ class ConsistencyMonitor:
                 self._clear_partials()
             if not self.overlap:
                 return self._complete(inflight)
+            self._compute_if_last(inflight)
             previous, self._inflight = self._inflight, inflight
-            return self._complete(previous) if previous is not None else None
+            return self._finish(previous) if previous is not None else None
 
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
@@ -167,6 +169,9 @@ class ConsistencyMonitor:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return None
+        metrics = self._published(inflight)
+        if metrics is not None:
+            return metrics
         if timeout_s is not None and not step_gather.finished_within(inflight, timeout_s):
             return None
         return self._complete(inflight)
@@ -204,6 +209,34 @@ class ConsistencyMonitor:
     def _complete(self, inflight: InFlight) -> StepMetrics:
         """The step's metrics once its gather is in (a subclass may derive per-rank extras from the rows)."""
         return step_gather.complete(inflight)
+
+    def _compute_if_last(self, inflight: InFlight) -> None:
+        """Where the step's rows go through shared memory and every rank's is in already, one rank (the claimant)
+        computes the step's metrics now and publishes them for the others to read (shared_rows.py says why)."""
+        work, shared = inflight.work, self._shared
+        if shared is None or not isinstance(work, shared_rows.Posted) or not work.is_completed():
+            return
+        if not shared.claim(work.post):
+            return
+        try:
+            inflight.metrics = self._complete(inflight)
+        except Exception:  # noqa: BLE001 - nothing published: every rank computes the step itself, and raises alike
+            return
+        # Pickle, as torch's object collectives: the file is this job's own (0600, unlinked, a random token).
+        shared.publish(work.post, pickle.dumps(inflight.metrics, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _published(self, inflight: InFlight) -> StepMetrics | None:
+        """The step's metrics if this rank computed them already or another rank published them, else None."""
+        work = inflight.work
+        if inflight.metrics is not None or self._shared is None or not isinstance(work, shared_rows.Posted):
+            return inflight.metrics
+        payload = self._shared.published(work.post)
+        return None if payload is None else pickle.loads(payload)  # noqa: S301 - see _compute_if_last
+
+    def _finish(self, inflight: InFlight) -> StepMetrics:
+        """The step's metrics: published, or computed here from the rows."""
+        metrics = self._published(inflight)
+        return metrics if metrics is not None else self._complete(inflight)
 
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         """This rank's pieces of the step, gathered (asynchronously with ``overlap``)."""

@@ -5,9 +5,18 @@ its size (seven dependent ring hops at 8 ranks, each a TCP round through gloo's 
 ~6% of the harness's step. Ranks on one host can instead write their rows into memory that all of them map.
 
 Layout. One file in ``/dev/shm``, which every rank of the group maps and rank 0 then unlinks, so nothing is left
-behind even when a rank is killed. A header (a random token, the world size, the capacity), then :data:`SLOTS`
-slots of ``world`` rows of ``capacity + 2`` float64: ``[begin stamp, end stamp, values...]``. This rank's n-th
-post (n >= 1) goes to slot ``n % SLOTS``.
+behind even when a rank is killed. A header (a random token, the world size, the capacity, the slots, the result
+capacity), then :data:`SLOTS` slots of ``world`` rows of ``capacity + 2`` float64: ``[begin stamp, end stamp,
+values...]``. This rank's n-th post (n >= 1) goes to slot ``n % SLOTS``. Then :data:`SLOTS` result slots, each
+``[claim (int64), begin stamp, end stamp, length, payload bytes...]``: a post's metrics, computed by one rank.
+
+One rank computes, the others read. Every rank needs a step's metrics (a live check stops every rank alike), and
+each used to compute them from the rows: ~0.8 ms of CPU a rank and step on 8 ranks sharing 2 cores, the same
+work eight times. Now a rank that finds every row of its post in right after writing its own (the last to post
+always does: its end stamp is fenced before it looks) claims the post (:meth:`SharedRows.claim`, a
+compare-and-swap: exactly one rank wins), computes the metrics and publishes their bytes; the others read them
+(:meth:`SharedRows.published`) when they complete that step. Where none is there (the claimant failed, or the
+bytes did not fit) a rank computes them from the rows itself, as before.
 
 Protocol, a seqlock per row. The writer stores begin = n, fences, stores the values, fences, and stores end = n.
 A reader waits until every rank's end stamp reads n, fences, copies the rows, fences, and checks that every begin
@@ -18,8 +27,9 @@ make visible out of order. Without it this exchange is not offered (:func:`avail
 Why two slots are enough, and why the wait costs nothing in a training loop. A rank reads post n at its next
 ``end_step`` (post n + 1) or at ``flush``. In between it ran a backward whose gradient all-reduce needed every
 rank's part, which each rank sends only after its ``end_step`` of post n, so every row of post n is written by
-then. Likewise a rank writes post n + 2 only after a backward whose all-reduce needed every rank's part of that
-step, sent after that rank's ``end_step`` of post n + 1 returned: after its read of post n.
+then, and so are its published metrics (the claimant publishes inside that ``end_step``). Likewise a rank
+writes post n + 2 (rows, or metrics as claimant) only after a backward whose all-reduce needed every rank's part
+of that step, sent after that rank's ``end_step`` of post n + 1 returned: after its read of post n.
 
     >>> available() in (True, False)
     True
@@ -35,9 +45,9 @@ from typing import Any, Optional
 from healthcheck.measure import distributed
 
 try:  # built by ``pip install`` where a C compiler is found (setup.py: optional)
-    from healthcheck.measure._fence import fence
+    from healthcheck.measure._fence import fence, raise_to
 except ImportError:  # pragma: no cover - no fence: the all-gather is used
-    fence = None  # type: ignore[assignment]
+    fence = raise_to = None  # type: ignore[assignment]
 
 #: Slots a rank's rows cycle through (see the module docstring for why two are enough).
 SLOTS = 2
@@ -45,23 +55,43 @@ SLOTS = 2
 SPARE = 64
 #: Where the file is made: a tmpfs, so the rows never touch a disk.
 DIRECTORY = "/dev/shm"
-_HEADER = 4  # float64: token, world, capacity, slots
+_HEADER = 5  # float64: token, world, capacity, slots, result bytes
+_RESULT_HEAD = 4  # 8-byte words before a result's payload: claim (int64), begin stamp, end stamp, length
+
+
+def result_bytes(world: int) -> int:
+    """Room for one step's published metrics: the N×N cosines and ~100 per-rank columns, pickled (9 bytes a
+    float), with room to spare. 75 KiB at 8 ranks, 1.9 MiB at 256.
+
+    >>> result_bytes(8), result_bytes(256)
+    (75264, 1900544)
+    """
+    return 65536 + 24 * world * world + 1024 * world
+
+
+def file_size(world: int, capacity: int, results: int) -> int:
+    """Bytes of the file for ``world`` rows of ``capacity`` values and ``results`` bytes of metrics a slot."""
+    return 8 * (_HEADER + SLOTS * world * (capacity + 2) + SLOTS * (_RESULT_HEAD + -(-results // 8)))
 
 
 def available() -> bool:
     """Whether this process can offer the exchange: Linux's ``/dev/shm`` and the fence extension."""
-    return fence is not None and os.path.isdir(DIRECTORY)
+    return fence is not None and raise_to is not None and os.path.isdir(DIRECTORY)
 
 
 class SharedRows:
     """The mapped file of one group's rows (built by :func:`attach`, a collective)."""
 
-    def __init__(self, buffer: mmap.mmap, rank: int, world: int, capacity: int, timeout_s: float):
+    def __init__(self, buffer: mmap.mmap, rank: int, world: int, capacity: int, timeout_s: float, results: int):
         import numpy as np
 
         self._buffer = buffer
         self.rank, self.world, self.capacity, self.timeout_s = rank, world, capacity, timeout_s
         self._table = np.ndarray((SLOTS, world, capacity + 2), dtype=np.float64, buffer=buffer, offset=_HEADER * 8)
+        self._results_at = 8 * (_HEADER + SLOTS * world * (capacity + 2))
+        self._result_words = _RESULT_HEAD + -(-results // 8)
+        self.result_bytes = results
+        self._results = np.ndarray((SLOTS, self._result_words), dtype=np.float64, buffer=buffer, offset=self._results_at)
         self._posts = 0
 
     def post(self, flat: Any) -> Optional[tuple["Posted", Any]]:
@@ -81,6 +111,7 @@ class SharedRows:
         row[2 : 2 + width] = flat.numpy()
         fence()
         row[1] = n
+        fence()  # before this rank looks at the others' stamps: the last to post then sees every row (claim)
         out = torch.empty((self.world, width), dtype=torch.float64)
         return Posted(self, self._posts, width, out), out
 
@@ -98,37 +129,71 @@ class SharedRows:
             raise _overwritten(post, "while")
         return True
 
+    def claim(self, post: int) -> bool:
+        """Whether this rank computes post ``post``'s metrics: of the ranks that ask, exactly one is told so."""
+        return bool(raise_to(self._buffer, self._results_at + 8 * self._result_words * (post % SLOTS), post))
+
+    def publish(self, post: int, payload: bytes) -> bool:
+        """Write post ``post``'s metrics (the claimant only); False when they do not fit (the others compute)."""
+        import numpy as np
+
+        if len(payload) > self.result_bytes:
+            return False
+        slot = self._results[post % SLOTS]
+        slot[1] = post
+        fence()
+        slot[_RESULT_HEAD:].view(np.uint8)[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        slot[3] = len(payload)
+        fence()
+        slot[2] = post
+        return True
+
+    def published(self, post: int) -> Optional[bytes]:
+        """Post ``post``'s published metrics, or None where none were (then compute them from the rows)."""
+        slot = self._results[post % SLOTS]
+        if slot[2] != post:
+            if slot[2] > post:
+                raise _overwritten(post, "before", "metrics")
+            return None
+        fence()
+        payload = slot[_RESULT_HEAD:].view("u1")[: int(slot[3])].tobytes()
+        fence()
+        if slot[1] != post:
+            raise _overwritten(post, "while", "metrics")
+        return payload
+
     def close(self) -> None:
         """Unmap (a view still held elsewhere keeps the mapping until it is freed). Closing twice does nothing."""
         if self.__dict__.pop("_table", None) is None:
             return
+        self.__dict__.pop("_results", None)
         try:
             self._buffer.close()
         except BufferError:
             pass
 
 
-def _overwritten(post: int, when: str) -> RuntimeError:
-    return RuntimeError(f"shared rows: post {post} was overwritten {when} it was read (a rank ran two steps ahead of "
-                        "another without a gradient all-reduce in between)")
+def _overwritten(post: int, when: str, what: str = "rows") -> RuntimeError:
+    return RuntimeError(f"shared rows: post {post}'s {what} were overwritten {when} they were read (a rank ran two steps "
+                        "ahead of another without a gradient all-reduce in between)")
 
 
 class Posted:
     """A post's completion, with the interface of a collective's work object (``wait``, ``is_completed``)."""
 
     def __init__(self, rows: SharedRows, post: int, width: int, out: Any):
-        self._rows, self._post, self._width, self._out = rows, post, width, out
+        self._rows, self.post, self._width, self._out = rows, post, width, out
         self._done = False
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._done = self._rows.read(self._post, self._width, self._out)
+            self._done = self._rows.read(self.post, self._width, self._out)
         return self._done
 
     def wait(self) -> None:
         """Poll until every rank's row is in (at once in a training loop; see the module docstring)."""
         if not distributed.wait_until(self.is_completed, self._rows.timeout_s, max_pause_s=1e-3):
-            raise RuntimeError(f"shared rows: post {self._post} still lacks a rank's row after {self._rows.timeout_s:.0f} s")
+            raise RuntimeError(f"shared rows: post {self.post} still lacks a rank's row after {self._rows.timeout_s:.0f} s")
 
 
 def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:
@@ -136,14 +201,14 @@ def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:
     of ``group`` calls it with the same ``width`` (its first row's). Rank 0 makes the file and tells the others its
     name; a rank on another host finds no such file with that token, and then no rank uses it."""
     rank, world = distributed.rank(group), distributed.world_size(group)
-    capacity = width + SPARE
-    size = 8 * (_HEADER + SLOTS * world * (capacity + 2))
+    capacity, results = width + SPARE, result_bytes(world)
+    size = file_size(world, capacity, results)
     token = float(secrets.randbits(52))
     path = ""
     if rank == 0 and available():
-        path = _create(size, [token, world, capacity, SLOTS])
+        path = _create(size, [token, world, capacity, SLOTS, results])
     path, token = distributed.broadcast_object((path, token), src=distributed.group_ranks(group)[0], group=group)
-    mapped = _map(path, size, [token, world, capacity, SLOTS]) if path and available() else None
+    mapped = _map(path, size, [token, world, capacity, SLOTS, results]) if path and available() else None
     everyone = all(distributed.all_gather_objects(mapped is not None, group=group))
     if rank == 0 and path:
         _unlink(path)
@@ -152,7 +217,7 @@ def attach(group: Any, width: int, timeout_s: float) -> Optional[SharedRows]:
             mapped.close()
         return None
     assert mapped is not None
-    return SharedRows(mapped, rank, world, capacity, timeout_s)
+    return SharedRows(mapped, rank, world, capacity, timeout_s, results)
 
 
 def _header_bytes(header: list[float]) -> bytes:

@@ -52,6 +52,8 @@ class InFlight:
     source: Any = None  #: this rank's packed vector, kept alive while the collective may still read it
     #: ``rows`` came in a gradient all-reduce, in :func:`carried_row`'s layout (decoded by :func:`complete`).
     carried: bool = False
+    #: The step's metrics once this rank computed them ahead of time (the claimant of shared rows: monitor_core).
+    metrics: Optional[StepMetrics] = None
 
 
 def pack(

@@ -171,6 +171,9 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         measured.append(m)
 
     gathers = _count_step_gathers()
+    completed = []  # the steps whose metrics this rank computed from the rows
+    compute = monitor._complete
+    monitor._complete = lambda inflight: completed.append(inflight.step) or compute(inflight)  # type: ignore[method-assign]
     for step in range(steps):
         loss, local = _train_step(ddp, reference_model, step, accum, dtype)
         tokens = 10 + 3 * rank
@@ -206,6 +209,10 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     else:
         gathers.restore()
     assert (monitor._shared is not None) == shared
+    if shared and overlap:
+        # One rank computed each step's metrics and published them; the others read them (shared_rows.py).
+        everyone = sorted(step for steps_done in distributed.all_gather_objects(completed) for step in steps_done)
+        assert everyone == [m.step for m in measured], everyone
     # Rank 0 unlinks the file once every rank mapped it: nothing is left even if the run is killed now.
     assert not glob.glob(os.path.join(shared_rows.DIRECTORY, "healthcheck-rows-*")), "a shared-rows file was left behind"
     assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references

@@ -13,12 +13,15 @@ from healthcheck.measure import shared_rows, step_gather
 def ranks():
     """Three ranks' views of one file, made and unlinked as :func:`shared_rows.attach` does."""
     assert shared_rows.available(), "the fence extension was not built: pip install -e . (setup.py) compiles it"
-    world, capacity = 3, 10 + shared_rows.SPARE
-    size = 8 * (shared_rows._HEADER + shared_rows.SLOTS * world * (capacity + 2))
-    header = [12345.0, world, capacity, shared_rows.SLOTS]
+    world, capacity, results = 3, 10 + shared_rows.SPARE, 100
+    size = shared_rows.file_size(world, capacity, results)
+    header = [12345.0, world, capacity, shared_rows.SLOTS, results]
     path = shared_rows._create(size, header)
     assert path and os.path.exists(path)
-    views = [shared_rows.SharedRows(shared_rows._map(path, size, header), r, world, capacity, timeout_s=0.2) for r in range(world)]
+    views = [
+        shared_rows.SharedRows(shared_rows._map(path, size, header), r, world, capacity, timeout_s=0.2, results=results)
+        for r in range(world)
+    ]
     shared_rows._unlink(path)
     yield views
     for view in views:
@@ -57,8 +60,35 @@ def test_a_missing_rank_times_out_and_an_overwritten_post_is_an_error(ranks):
     for step in range(3):  # rank 1 runs two posts ahead: its row of post 1 is gone
         ranks[1].post(_row(1, step))
     ranks[2].post(_row(2, 0))
-    with pytest.raises(RuntimeError, match="overwritten before it was read"):
+    with pytest.raises(RuntimeError, match="rows were overwritten before they were read"):
         work.is_completed()
+
+
+def test_exactly_one_rank_claims_a_post_and_the_others_read_what_it_published(ranks):
+    for step in range(4):  # every slot twice: a slot's claim and stamps move on with the post number
+        posted = [view.post(_row(view.rank, step)) for view in ranks]
+        post = posted[0][0].post
+        assert [view.published(post) for view in ranks] == [None] * 3  # nothing yet: each would compute itself
+        assert [view.claim(post) for view in ranks] == [True, False, False]
+        assert not ranks[0].claim(post)  # a claim is had once
+        payload = bytes(range(step, step + 40))
+        assert ranks[0].publish(post, payload)
+        assert all(view.published(post) == payload for view in ranks)
+        for work, _ in posted:
+            work.wait()
+    assert ranks[1].claim(post + 1) and not ranks[1].publish(post + 1, bytes(101))  # too big: nobody reads it
+    assert ranks[2].published(post + 1) is None
+
+
+def test_published_metrics_overwritten_are_an_error(ranks):
+    ranks[0].publish(3, b"three")
+    ranks[0].publish(5, b"five")  # the same slot, two posts on
+    with pytest.raises(RuntimeError, match="post 3's metrics were overwritten before they were read"):
+        ranks[1].published(3)
+    slot = ranks[0]._results[1]
+    slot[1] = 7  # a writer began post 7 while this read copied post 5's bytes
+    with pytest.raises(RuntimeError, match="post 5's metrics were overwritten while they were read"):
+        ranks[1].published(5)
 
 
 def test_a_file_of_another_run_is_not_mapped(tmp_path, monkeypatch):
