@@ -26,7 +26,9 @@ def pack(header: list[float], sketch: Any) -> Any:
 
     if sketch is None:
         return torch.tensor(header, dtype=torch.float64)
-    bits = sketch.detach().reshape(-1).to(torch.float32).numpy()
+    if sketch.dtype != torch.float32:
+        sketch = sketch.to(torch.float32)
+    bits = sketch.detach().numpy().reshape(-1)  # numpy's reshape: a torch op costs several of its calls here
     flat = np.zeros(len(header) + (bits.size + 1) // 2, dtype=np.float64)
     flat[: len(header)] = header
     flat[len(header) :].view(np.float32)[: bits.size] = bits

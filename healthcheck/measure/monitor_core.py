@@ -365,10 +365,16 @@ def sum_sketches(sketches: dict[int, Any], indices: list[int]) -> Any:
     >>> import torch
     >>> sum_sketches({0: torch.tensor([1.0, 2.0]), 3: torch.tensor([0.5, 0.5])}, [0, 3]).tolist()
     [1.5, 2.5]
+    >>> one = torch.tensor([1.0, 2.0]); sum_sketches({4: one}, [4]) is one  # one bucket: nothing to add
+    True
     """
     import torch
 
     first = sketches[indices[0]]
+    if len(indices) == 1:
+        # As it is: the caller packs it at once, into a vector of its own (a copy here cost ~0.1 ms a step on 8
+        # ranks sharing 2 cores, where the harness model is one bucket).
+        return first
     if first.device.type == "cpu":
         total = first.numpy().copy()
         for index in indices[1:]:

@@ -144,13 +144,15 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
 
 
 def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
-                  overlap: bool = False, exchange: str = "gather", shared_ok: bool = True) -> list:
+                  overlap: bool = False, exchange: str = "gather", shared_ok: bool = True, publishes: bool = True) -> list:
     """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
     every one is checked against the reference kept from its own step. With ``exchange="carry"`` they
     ride on the next step's last all-reduce instead of a gather; with "auto" (sketch mode) they go through shared
-    memory, unless a rank could not map it (``shared_ok`` False: every rank must then gather).
+    memory, unless a rank could not map it (``shared_ok`` False: every rank must then gather). There one rank
+    computes each step's metrics and publishes them, unless they cannot be (``publishes`` False: every rank then
+    computes them itself).
     """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
@@ -212,7 +214,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     if shared and overlap:
         # One rank computed each step's metrics and published them; the others read them (shared_rows.py).
         everyone = sorted(step for steps_done in distributed.all_gather_objects(completed) for step in steps_done)
-        assert everyone == [m.step for m in measured], everyone
+        assert everyone == sorted([m.step for m in measured] * (1 if publishes else n)), everyone
     # Rank 0 unlinks the file once every rank mapped it: nothing is left even if the run is killed now.
     assert not glob.glob(os.path.join(shared_rows.DIRECTORY, "healthcheck-rows-*")), "a shared-rows file was left behind"
     assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references
@@ -336,6 +338,16 @@ def _check_a_rank_that_cannot_map_makes_every_rank_gather() -> None:
         shared_rows._map = original  # type: ignore[assignment]
 
 
+def _check_metrics_that_cannot_be_published_are_computed_by_every_rank() -> None:
+    # As when they do not fit the file's result slot: the claimant keeps its own, every other rank computes them.
+    original = shared_rows.SharedRows.publish
+    shared_rows.SharedRows.publish = lambda self, post, payload: False  # type: ignore[method-assign]
+    try:
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="auto", publishes=False)
+    finally:
+        shared_rows.SharedRows.publish = original  # type: ignore[method-assign]
+
+
 def _four_rank_worker() -> None:
     distributed.set_worker_threads(4)
     distributed.init_distributed("cpu", "gloo", 120)
@@ -352,6 +364,7 @@ def _four_rank_worker() -> None:
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True, exchange="auto")
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=3, exchange="auto")
         _check_a_rank_that_cannot_map_makes_every_rank_gather()
+        _check_metrics_that_cannot_be_published_are_computed_by_every_rank()
         _check_nonfinite()
         _check_close_frees_the_model()
     finally:
