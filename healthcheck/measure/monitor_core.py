@@ -11,8 +11,8 @@ check are the subclass's (:meth:`ConsistencyMonitor._exact_pieces`, :meth:`Consi
 
 from __future__ import annotations
 
+import marshal
 import math
-import pickle
 import time
 from typing import Any, ContextManager, Iterable, Mapping
 
@@ -220,10 +220,12 @@ class ConsistencyMonitor:
             return
         try:
             inflight.metrics = self._complete(inflight)
-        except Exception:  # noqa: BLE001 - nothing published: every rank computes the step itself, and raises alike
+            # marshal, not pickle: the fields are builtin numbers, strings, lists and dicts, and loading them runs
+            # nothing (the file is this job's own anyway: 0600, unlinked, a random token). Floats keep their bits.
+            payload = marshal.dumps(vars(inflight.metrics))
+        except Exception:  # noqa: BLE001 - nothing published: the others compute the step themselves (and raise alike)
             return
-        # Pickle, as torch's object collectives: the file is this job's own (0600, unlinked, a random token).
-        shared.publish(work.post, pickle.dumps(inflight.metrics, protocol=pickle.HIGHEST_PROTOCOL))
+        shared.publish(work.post, payload)
 
     def _published(self, inflight: InFlight) -> StepMetrics | None:
         """The step's metrics if this rank computed them already or another rank published them, else None."""
@@ -231,7 +233,7 @@ class ConsistencyMonitor:
         if inflight.metrics is not None or self._shared is None or not isinstance(work, shared_rows.Posted):
             return inflight.metrics
         payload = self._shared.published(work.post)
-        return None if payload is None else pickle.loads(payload)  # noqa: S301 - see _compute_if_last
+        return None if payload is None else StepMetrics(**marshal.loads(payload))
 
     def _finish(self, inflight: InFlight) -> StepMetrics:
         """The step's metrics: published, or computed here from the rows."""

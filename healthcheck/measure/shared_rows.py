@@ -60,7 +60,7 @@ _RESULT_HEAD = 4  # 8-byte words before a result's payload: claim (int64), begin
 
 
 def result_bytes(world: int) -> int:
-    """Room for one step's published metrics: the N×N cosines and ~100 per-rank columns, pickled (9 bytes a
+    """Room for one step's published metrics: the N×N cosines and ~100 per-rank columns, marshalled (9 bytes a
     float), with room to spare. 75 KiB at 8 ranks, 1.9 MiB at 256.
 
     >>> result_bytes(8), result_bytes(256)
