@@ -17,6 +17,11 @@
  * x: a writable C-contiguous float32 or float64 buffer (divided in place when divisor != 1); tau: float32, at
  * least m*p long; meta: int64 [rows * 4]; eps: float32 [rows]; acc: float32 [p], overwritten with the sketch.
  * Returns sum(x*x) of x as it was. The GIL is released while it runs.
+ *
+ *   square_sum(x, lo, hi) -> float
+ *
+ * sum(x[lo:hi]**2) of a C-contiguous float32 or float64 buffer, in float64: after the all-reduce, this rank's
+ * slice of the averaged bucket (its part of ||mean gradient||^2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -99,6 +104,22 @@ static int division_mode(double divisor) {
 
 SUM_SQUARES(sum_squares_f32, float)
 SUM_SQUARES(sum_squares_f64, double)
+
+/* The squares of x[0:n] added in float64, eight partial sums (an fp32 value's square is exact in float64). */
+#define SQUARE_SUM(NAME, T)                                                                                   \
+    ROW_CLONES                                                                                                \
+    static double NAME(const T *restrict x, Py_ssize_t n) {                                                   \
+        double part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0.0;                                               \
+        Py_ssize_t j = 0;                                                                                     \
+        for (; j + 8 <= n; j += 8)                                                                            \
+            for (int i = 0; i < 8; i++) part[i] += (double)x[j + i] * (double)x[j + i];                       \
+        for (; j < n; j++) part[0] += (double)x[j] * (double)x[j];                                            \
+        for (int i = 0; i < 8; i++) total += part[i];                                                         \
+        return total;                                                                                         \
+    }
+
+SQUARE_SUM(square_sum_f32, float)
+SQUARE_SUM(square_sum_f64, double)
 
 static int check_rows(const int64_t *meta, Py_ssize_t rows, Py_ssize_t n, Py_ssize_t p, Py_ssize_t m) {
     for (Py_ssize_t i = 0; i < rows; i++) {
@@ -192,9 +213,37 @@ done:
     return result;
 }
 
+/* square_sum(x, lo, hi) -> float: sum(x[lo:hi]**2) in float64, for the DDP monitor's slice of the all-reduced
+ * bucket (its part of ||mean gradient||^2). One call where a torch slice and dot cost several dispatches. */
+static PyObject *square_sum(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *object;
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(args, "Onn:square_sum", &object, &lo, &hi)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = view.itemsize > 0 ? view.len / view.itemsize : 0;
+    if (!is_format(&view, "fd")) {
+        PyErr_Format(PyExc_TypeError, "square_sum: x has format %s", view.format);
+    } else if (lo < 0 || lo > hi || hi > n) {
+        PyErr_Format(PyExc_ValueError, "square_sum: [%zd, %zd) is not within %zd elements", lo, hi, n);
+    } else {
+        double total;
+        Py_BEGIN_ALLOW_THREADS
+        total = view.itemsize == 4 ? square_sum_f32((const float *)view.buf + lo, hi - lo)
+                                   : square_sum_f64((const double *)view.buf + lo, hi - lo);
+        Py_END_ALLOW_THREADS
+        result = PyFloat_FromDouble(total);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"fold", fold, METH_VARARGS,
      "fold(x, tau, meta, eps, acc, m, divisor) -> float: the sketch into acc, sum(x*x), x /= divisor in place."},
+    {"square_sum", square_sum, METH_VARARGS, "square_sum(x, lo, hi) -> float: sum(x[lo:hi]**2) in float64."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

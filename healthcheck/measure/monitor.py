@@ -141,6 +141,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
+        self._host_buckets: dict[int, host_pass.HostBucket] = {}  # CPU, sketch mode: each bucket's C pass (_host_bucket)
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
@@ -190,13 +191,32 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if self._sketcher is None:
             self._sqnorm[index] = sqnorm_fp32(buffer)
             return False
-        if host_pass.fuses(buffer):
+        host = self._host_bucket(index, buffer)
+        if host is not None:
+            self._sketch[index], self._sqnorm[index] = host.divide_square_sketch(buffer, self._world)
+        elif host_pass.fuses(buffer):
             self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
                 buffer, buffer, world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
             )
         else:  # on a GPU one kernel reads and divides the bucket (sketch_kernel): each launch costs the autograd thread
             self._sketch[index], self._sqnorm[index] = self._sketcher.with_sqnorm(index, buffer, divide_by=self._world)
         return True
+
+    def _host_bucket(self, index: int, buffer: Any) -> host_pass.HostBucket | None:
+        """The bucket's C pass on the host, planned at its first step and again where DDP's rebuild after the first
+        step changed its size; None on an accelerator or where the C pass does not take the bucket."""
+        kept = self._host_buckets.get(index)
+        if kept is not None and kept.takes(buffer):
+            return kept
+        assert self._sketcher is not None
+        kept = None if buffer.device.type != "cpu" else host_pass.HostBucket.of(
+            buffer, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
+        )
+        if kept is None:
+            self._host_buckets.pop(index, None)
+        else:
+            self._host_buckets[index] = kept
+        return kept
 
     def _queue_release(self) -> None:
         """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).
@@ -300,9 +320,14 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         reduced = self._keep_reduced(index, future, numel)
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
         width = -(-reduced.numel() // self._world)
-        own = sqnorm_fp32(reduced[self._rank * width : (self._rank + 1) * width])
-        # A host scalar read is free, and floats sum without tensor ops (sum_partials).
-        self._mean_sqnorm[index] = float(own) if reduced.device.type == "cpu" else own
+        lo, hi = min(self._rank * width, reduced.numel()), min((self._rank + 1) * width, reduced.numel())
+        host = self._host_buckets.get(index)
+        if host is not None and host.takes(reduced):  # one C call, in float64
+            self._mean_sqnorm[index] = host.square_sum(reduced, lo, hi)
+        else:
+            own = sqnorm_fp32(reduced[lo:hi])
+            # A host scalar read is free, and floats sum without tensor ops (sum_partials).
+            self._mean_sqnorm[index] = float(own) if reduced.device.type == "cpu" else own
         return reduced  # DDP copies the returned tensor into the gradients
 
     def _keep_reduced(self, index: int, future: Any, numel: int) -> Any:
@@ -386,6 +411,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does. Closed, it lets the model be freed.
         """
         super().close()
+        self._host_buckets.clear()
         if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:
             del self._model._sync_buffers  # DDP's own method again
         self._model = None  # DDP's reducer (C++: the garbage collector cannot see it) keeps this monitor as hook state

@@ -173,6 +173,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         measured.append(m)
 
     gathers = _count_step_gathers()
+    wrapped = _count_wrapped_all_reduces()
     completed = []  # the steps whose metrics this rank computed from the rows
     compute = monitor._complete
     monitor._complete = lambda inflight: completed.append(inflight.step) or compute(inflight)  # type: ignore[method-assign]
@@ -211,6 +212,12 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     else:
         gathers.restore()
     assert (monitor._shared is not None) == shared
+    # The hook starts each bucket's all-reduce on the process group itself, not through dist.all_reduce's wrapper
+    # (distributed.all_reduce_async says why); sketch mode makes no other all-reduce.
+    assert wrapped.restore() == 0 or direction == "exact", f"{wrapped.count} all-reduces through the wrapper"
+    if direction == "sketch" and dtype == torch.float32:
+        # Each bucket's C pass was planned once and kept: one plan per bucket of DDP's rebuilt layout.
+        assert sorted(monitor._host_buckets) == list(range(measured[-1].buckets)), sorted(monitor._host_buckets)
     if shared and overlap:
         # One rank computed each step's metrics and published them; the others read them (shared_rows.py).
         everyone = sorted(step for steps_done in distributed.all_gather_objects(completed) for step in steps_done)
@@ -248,6 +255,28 @@ class _count_step_gathers:
 
     def restore(self) -> int:
         distributed.all_gather_rows_async = self._original
+        return self.count
+
+
+class _count_wrapped_all_reduces:
+    """Counts calls of ``torch.distributed.all_reduce``, until ``restore()``."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.count = 0
+        self._original = dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counting
+
+    def restore(self) -> int:
+        import torch.distributed as dist
+
+        dist.all_reduce = self._original
         return self.count
 
 

@@ -93,3 +93,35 @@ def test_tiny_buckets(n):
     assert torch.allclose(sketch, SK.sketch_bucket(original, k=K, seed=2, bucket_id=1), rtol=1e-5, atol=1e-5)
     assert math.isclose(sqnorm, float(original.double().square().sum()), rel_tol=1e-5, abs_tol=1e-12)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_planned_bucket_gives_the_one_calls_sketch_norm_and_division_bits(executor, dtype):
+    # The DDP monitor plans each bucket once (HostBucket) and runs the C pass on it every step: same bits as the call.
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    bucket = host_pass.HostBucket.of(x, k=K, seed=5, bucket_id=2)
+    if executor == "numpy":  # nothing to plan: the monitor keeps calling divide_square_sketch
+        assert bucket is None
+        return
+    assert bucket is not None and bucket.takes(x)
+    y = x.clone()
+    expected_sketch, expected_sqnorm = host_pass.divide_square_sketch(x, x, world=6, k=K, seed=5, bucket_id=2)
+    for _ in range(2):  # a plan serves every step
+        z = y.clone()
+        sketch, sqnorm = bucket.divide_square_sketch(z, 6)
+        assert torch.equal(z, x) and torch.equal(sketch, expected_sketch) and sqnorm == expected_sqnorm
+
+
+def test_a_plan_takes_only_buckets_of_its_size_and_dtype(executor):
+    x = torch.randn(1_000)
+    bucket = host_pass.HostBucket.of(x, k=K, seed=0, bucket_id=0)
+    if executor == "numpy":
+        assert bucket is None
+        return
+    assert bucket is not None
+    assert bucket.takes(torch.zeros(1_000)) and not bucket.takes(torch.zeros(1_001))
+    assert not bucket.takes(torch.zeros(1_000, dtype=torch.float64)) and not bucket.takes(torch.zeros(2_000)[::2])
+    assert not bucket.takes(torch.zeros(10, 100))
+    for unplanned in (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16)[::2], torch.zeros(2, 4)):
+        assert host_pass.HostBucket.of(unplanned, k=K, seed=0, bucket_id=0) is None
+
