@@ -246,9 +246,9 @@ def all_reduce_async(tensor, group=None):
 
     The process group's own ``allreduce``, which ``dist.all_reduce`` ends in: the DDP hook starts one per bucket and
     step, and the wrapper's Python (argument checks, a coalescing lookup, new options) cost ~20 µs a call on an idle
-    core, more among 8 ranks on 2 cores. What it checks cannot happen here: a gradient bucket is one real tensor, and
-    the group is the model's. Where it could (a tensor subclass with ``__torch_function__``, a complex tensor, a
-    coalescing block), the wrapper runs.
+    core, more among 8 ranks on 2 cores. For a plain real tensor on a process group this rank belongs to (a gradient
+    bucket on the model's group), none of what it checks applies. Anything else (no group, a tensor subclass with
+    ``__torch_function__``, a complex tensor, inside a coalescing block) goes through the wrapper.
     """
     import torch
     import torch.distributed as dist

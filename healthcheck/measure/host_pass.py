@@ -134,7 +134,9 @@ class HostBucket:
 
     def takes(self, buffer: Any) -> bool:
         """Whether ``buffer`` is a bucket this plan is for (same size and dtype; a 1-D contiguous host tensor)."""
-        return buffer.numel() == self.numel and buffer.dtype == self.dtype and buffer.is_contiguous() and buffer.dim() == 1
+        return (
+            buffer.numel() == self.numel and buffer.dtype == self.dtype and buffer.is_cpu and buffer.dim() == 1 and buffer.is_contiguous()
+        )
 
     def divide_square_sketch(self, buffer: Any, world: int) -> tuple[Any, float]:
         """:func:`divide_square_sketch` of ``buffer`` in place."""

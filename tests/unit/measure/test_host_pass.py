@@ -121,7 +121,7 @@ def test_a_plan_takes_only_buckets_of_its_size_and_dtype(executor):
     assert bucket is not None
     assert bucket.takes(torch.zeros(1_000)) and not bucket.takes(torch.zeros(1_001))
     assert not bucket.takes(torch.zeros(1_000, dtype=torch.float64)) and not bucket.takes(torch.zeros(2_000)[::2])
-    assert not bucket.takes(torch.zeros(10, 100))
+    assert not bucket.takes(torch.zeros(10, 100)) and not bucket.takes(torch.zeros(1_000, device="meta"))
     for unplanned in (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16)[::2], torch.zeros(2, 4)):
         assert host_pass.HostBucket.of(unplanned, k=K, seed=0, bucket_id=0) is None
 
