@@ -260,6 +260,17 @@ def all_reduce_async(tensor, group=None):
     return group.allreduce([tensor], _sum_options()).get_future()
 
 
+def mean_all_reduce_async(tensor, world: int, group=None):
+    """Divide ``tensor`` by ``world`` in place and all-reduce it, as torch's default DDP ``allreduce_hook`` does; a
+    future of the averaged tensor (what a DDP comm hook returns)."""
+    tensor.div_(world)
+    return all_reduce_async(tensor, group).then(_first_value)
+
+
+def _first_value(future):
+    return future.value()[0]
+
+
 @functools.lru_cache(maxsize=1)
 def _sum_options() -> Any:
     """One ``AllreduceOptions`` for every asynchronous SUM (the backends only read it)."""

@@ -141,7 +141,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
-        self._host_buckets: dict[int, host_pass.HostBucket] = {}  # CPU, sketch mode: each bucket's C pass (_host_bucket)
+        self._host_plans = host_pass.BucketPlans(self._sketcher.dim if self._sketcher else sketch_dim, seed)  # CPU sketch
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
@@ -164,7 +164,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         carry = self._carry(buffer) if self.exchange == "carry" and bucket.is_last() else None
         sampling = self._sampling()
         if not sampling and carry is None:
-            return _plain_average(buffer, self._world, self._group)
+            return distributed.mean_all_reduce_async(buffer, self._world, self._group)
         index = bucket.index()
         divided = self._measure_local(index, buffer) if sampling else False
         if carry is not None:
@@ -191,7 +191,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if self._sketcher is None:
             self._sqnorm[index] = sqnorm_fp32(buffer)
             return False
-        host = self._host_bucket(index, buffer)
+        host = self._host_plans.take(index, buffer)
         if host is not None:
             self._sketch[index], self._sqnorm[index] = host.divide_square_sketch(buffer, self._world)
         elif host_pass.fuses(buffer):
@@ -201,22 +201,6 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         else:  # on a GPU one kernel reads and divides the bucket (sketch_kernel): each launch costs the autograd thread
             self._sketch[index], self._sqnorm[index] = self._sketcher.with_sqnorm(index, buffer, divide_by=self._world)
         return True
-
-    def _host_bucket(self, index: int, buffer: Any) -> host_pass.HostBucket | None:
-        """The bucket's C pass on the host, planned at its first step and again where DDP's rebuild after the first
-        step changed its size; None on an accelerator or where the C pass does not take the bucket."""
-        kept = self._host_buckets.get(index)
-        if kept is not None and kept.takes(buffer):
-            return kept
-        assert self._sketcher is not None
-        kept = None if buffer.device.type != "cpu" else host_pass.HostBucket.of(
-            buffer, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
-        )
-        if kept is None:
-            self._host_buckets.pop(index, None)
-        else:
-            self._host_buckets[index] = kept
-        return kept
 
     def _queue_release(self) -> None:
         """Have the end of this step's reduction marked as the release (the start of the next step's busy_ms).
@@ -321,13 +305,12 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
         width = -(-reduced.numel() // self._world)
         lo, hi = min(self._rank * width, reduced.numel()), min((self._rank + 1) * width, reduced.numel())
-        host = self._host_buckets.get(index)
-        if host is not None and host.takes(reduced):  # one C call, in float64
-            self._mean_sqnorm[index] = host.square_sum(reduced, lo, hi)
-        else:
+        own = self._host_plans.square_sum(index, reduced, lo, hi)  # on the host one C call, in float64
+        if own is None:
             own = sqnorm_fp32(reduced[lo:hi])
             # A host scalar read is free, and floats sum without tensor ops (sum_partials).
-            self._mean_sqnorm[index] = float(own) if reduced.device.type == "cpu" else own
+            own = float(own) if reduced.device.type == "cpu" else own
+        self._mean_sqnorm[index] = own
         return reduced  # DDP copies the returned tensor into the gradients
 
     def _keep_reduced(self, index: int, future: Any, numel: int) -> Any:
@@ -411,7 +394,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does. Closed, it lets the model be freed.
         """
         super().close()
-        self._host_buckets.clear()
+        self._host_plans.clear()
         if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:
             del self._model._sync_buffers  # DDP's own method again
         self._model = None  # DDP's reducer (C++: the garbage collector cannot see it) keeps this monitor as hook state
@@ -434,13 +417,3 @@ def _autograd_engine() -> Any:
     from torch.autograd import Variable
 
     return Variable._execution_engine
-
-
-def _plain_average(buffer: Any, world: int, group: Any) -> Any:
-    # Same as torch's default allreduce_hook: divide in place, then sum.
-    buffer.div_(world)
-    return distributed.all_reduce_async(buffer, group).then(_first_value)
-
-
-def _first_value(future: Any) -> Any:
-    return future.value()[0]

@@ -3,7 +3,8 @@
 Gradients arrive in the bucket's dtype (fp32, or bf16/fp16 for low-precision models). Dot products
 and squared norms are accumulated in fp32 (fp64 for fp64 buckets): products of two bf16 values are
 exact in fp32, so upcasting in bounded chunks loses nothing and never materialises an fp32 copy of
-a whole bucket.
+a whole bucket. The DDP hook's fp32/fp64 host buckets skip these functions: its C pass (:mod:`.host_pass`) adds
+‖g_i‖² by fp32 bins into float64, and this rank's slice of ‖ḡ‖² in float64.
 """
 
 from __future__ import annotations

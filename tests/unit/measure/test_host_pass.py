@@ -125,3 +125,19 @@ def test_a_plan_takes_only_buckets_of_its_size_and_dtype(executor):
     for unplanned in (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16)[::2], torch.zeros(2, 4)):
         assert host_pass.HostBucket.of(unplanned, k=K, seed=0, bucket_id=0) is None
 
+
+
+def test_the_monitors_plans_follow_a_bucket_that_changes_size(executor):
+    plans = host_pass.BucketPlans(K, 5)
+    first = plans.take(0, torch.zeros(1_000))
+    assert plans.take(1, torch.zeros(10, device="meta")) is None  # an accelerator's bucket: no host plan
+    if executor == "numpy":
+        assert first is None and plans.indices() == [] and plans.square_sum(0, torch.ones(1_000), 0, 4) is None
+        return
+    assert first is not None and plans.take(0, torch.ones(1_000)) is first  # kept while the bucket fits it
+    rebuilt = plans.take(0, torch.ones(2_000))  # DDP's rebuild after the first step: another size, a new plan
+    assert rebuilt is not None and rebuilt is not first and plans.indices() == [0]
+    assert plans.square_sum(0, torch.full((2_000,), 2.0), 10, 20) == 40.0
+    assert plans.square_sum(0, torch.ones(1_000), 0, 4) is None and plans.square_sum(3, torch.ones(2_000), 0, 4) is None
+    plans.take(0, torch.zeros(8, dtype=torch.bfloat16))  # a bucket the C pass does not take drops the plan
+    assert plans.indices() == []
