@@ -191,13 +191,7 @@ class BucketPlans:
 def _divide_square_sketch_c(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
     """:func:`divide_square_sketch` by one call of the C pass (it divides in place, so a separate target is first
     given the bucket's values: a copy only tests and benchmarks ask for)."""
-    import numpy as np
-    import torch
-
-    lay, meta, eps, tau = _row_plan(buffer.numel(), int(k), int(seed), int(bucket_id))
     values = target.reshape(-1)
     if values.data_ptr() != buffer.data_ptr():
         values.copy_(buffer.reshape(-1))
-    sketch = np.empty(lay.p, dtype=np.float32)
-    sqnorm = _host_fold.fold(values.numpy(), tau, meta, eps, sketch, lay.m, float(world))
-    return torch.from_numpy(sketch), sqnorm
+    return HostBucket(values, k=k, seed=seed, bucket_id=bucket_id).divide_square_sketch(values, world)
