@@ -279,6 +279,5 @@ def write_rows(writers: tuple[JsonlWriter, JsonlWriter], step: int, metrics: Any
     """One steps.jsonl row per rank and one aggregates.jsonl row for this step."""
     steps_writer, aggregates_writer = writers
     data = metrics.to_dict()
-    for row in rank_rows(step, data):
-        steps_writer.write(row)
+    steps_writer.write_many(rank_rows(step, data))
     aggregates_writer.write(aggregate_row(step, data, lr))
