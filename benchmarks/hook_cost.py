@@ -10,7 +10,8 @@ monitor's comm hook closed at once, so it only averages: a Python comm hook's ow
 with Triton, the fused kernel of :mod:`healthcheck.measure.sketch_kernel`), ``sketch-torch`` (the same with
 ``HEALTHCHECK_SKETCH_KERNEL=torch``) and ``exact``. Prints per arm the median and mean step time, the hook's cost
 as a fraction of the plain step, and the peak memory (``torch.cuda.max_memory_allocated``, counted from what was
-allocated when the arm began; CPU: not measured). ``--pieces`` adds the wall time a timed step spends inside the
+allocated when the arm began: the most a timed step starts with plus the most one adds within it; CPU: not
+measured). ``--pieces`` adds the wall time a timed step spends inside the
 monitor's hook, kernel call, after-all-reduce callback and ``end_step``.
 
     python benchmarks/hook_cost.py                                   # CUDA + NCCL, the ~1B model
@@ -34,10 +35,13 @@ KERNEL_OFF = {"sketch-torch": "torch"}
 #: ``hook-only``: the monitor's comm hook closed at once, so it only averages, as DDP's built-in all-reduce does:
 #: what a Python comm hook costs by itself.
 #: ``--pieces``: wall time a step spends inside these (module, class, method), printed per monitored arm.
+#: A piece the code under test lacks (an older checkout, ``PYTHONPATH``) is left out.
 PIECES = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket"),
     ("healthcheck.measure.sketch", "FoldedSketch", "with_sqnorm"),
+    ("healthcheck.measure.sketch_kernel", "DeviceBucket", "divide_square_sketch"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce"),
+    ("healthcheck.measure.reduced_norm", "DeferredSquares", "settle"),
     ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "end_step"),
 )
 
@@ -49,7 +53,10 @@ def timed_pieces() -> tuple[dict[str, float], Any]:
     totals: dict[str, float] = {}
     undo = []
     for module, owner, name in PIECES:
-        cls = getattr(importlib.import_module(module), owner)
+        try:
+            cls = getattr(importlib.import_module(module), owner)
+        except (ImportError, AttributeError):
+            continue
         original = cls.__dict__[name]
 
         def wrapped(*a: Any, _f: Any = original, _k: str = f"{owner}.{name}", **kw: Any) -> Any:
@@ -112,9 +119,14 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
         schedule = torch.profiler.schedule(wait=args.warmup - warm, warmup=warm, active=args.steps, repeat=1)
         profiler = profile(activities=activities, schedule=schedule)
         profiler.start()
+    resident = in_step = 0.0
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            at_start = torch.cuda.memory_allocated(device)
+            if step >= args.warmup:
+                resident = max(resident, at_start - allocated_before)
+                torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = ddp(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -126,6 +138,8 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
             torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            if device.type == "cuda":
+                in_step = max(in_step, torch.cuda.max_memory_allocated(device) - at_start)
         elif step == args.warmup - 1:
             pieces.clear()  # the timed steps' alone
         if profiler is not None:
@@ -146,14 +160,32 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
     if monitor is not None:
         monitor.flush()
         monitor.close()
-    # Over what was allocated before the arm began: an earlier arm's DDP model is not always freed (DDP keeps
-    # its comm hook's state, the monitor, which keeps the model), and its memory is not this arm's.
-    peak = (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**30 if device.type == "cuda" else float("nan")
+    # Over what was allocated before the arm began (an earlier arm's leftovers are not this arm's): what a timed step
+    # starts with (model, gradients, optimizer state, the monitor's own state) plus the most a timed step adds to it.
+    peak = (resident + in_step) / 2**30 if device.type == "cuda" else float("nan")
     del ddp, model, optimizer, monitor
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_ms": statistics.median(times) * 1000, "mean_ms": statistics.fmean(times) * 1000, "peak_gib": peak}
+    return {"times": times, "peak_gib": peak, "resident_gib": resident / 2**30, "in_step_gib": in_step / 2**30}
+
+
+def run_rounds(arms: list[str], base_state: dict, args: argparse.Namespace, device: Any) -> dict[str, dict[str, float]]:
+    """Every arm ``--rounds`` times, interleaved; per arm the median and mean over all its timed steps, and the peak
+    of its last round: the first arm of the first round also pays the process's first allocations (cuBLAS's
+    workspace, NCCL's buffers), which later arms find made."""
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    peaks: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for arm in arms:
+            row = run_arm(arm, base_state, args, device)
+            times[arm] += row["times"]
+            peaks[arm] = row
+    return {
+        arm: {"step_ms": statistics.median(t) * 1000, "mean_ms": statistics.fmean(t) * 1000,
+              **{k: peaks[arm][k] for k in ("peak_gib", "resident_gib", "in_step_gib")}}
+        for arm, t in times.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -172,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved (see run_rounds)")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="ROWS",
         help="print torch.profiler's top ROWS ops of each arm's timed steps (timed with the profiler on)"
@@ -199,19 +232,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         del base
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{name}: LlamaForCausalLM {params / 1e9:.2f}B params, {args.dtype}, micro-batch {args.batch} x {args.seq}, "
-              f"one rank ({dist.get_backend()}), {args.steps} timed steps per arm, every={args.every}")
-        results = {arm: run_arm(arm, state, args, device) for arm in args.arms}
+              f"one rank ({dist.get_backend()}), {args.steps} timed steps per arm and round, {args.rounds} round(s), every={args.every}")
+        results = run_rounds(args.arms, state, args, device)
     finally:
         dist.destroy_process_group()
     plain = results.get("plain")
     # With --every N the measured steps are 1 in N, so the mean is the cost a run pays; the median is a typical step.
     print("| arm | step ms (median) | hook cost (fraction of the plain step) | step ms (mean) | cost on the mean "
-          "| peak memory GiB | vs plain |")
+          "| peak memory GiB (at a step's start + within it) | vs plain |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for arm, row in results.items():
         cost = f"{row['step_ms'] / plain['step_ms'] - 1:+.2%}" if plain and arm != "plain" else "-"
         extra = f"{row['peak_gib'] - plain['peak_gib']:+.2f}" if plain and arm != "plain" and device.type == "cuda" else "-"
-        peak = f"{row['peak_gib']:.2f}" if device.type == "cuda" else "n/a (CPU)"
+        peak = f"{row['peak_gib']:.2f} ({row['resident_gib']:.2f} + {row['in_step_gib']:.2f})" if device.type == "cuda" else "n/a (CPU)"
         mean_cost = f"{row['mean_ms'] / plain['mean_ms'] - 1:+.2%}" if plain and arm != "plain" else "-"
         print(f"| {arm} | {row['step_ms']:.1f} | {cost} | {row['mean_ms']:.1f} | {mean_cost} | {peak} | {extra} |")
     return results

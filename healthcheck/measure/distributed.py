@@ -264,10 +264,11 @@ def mean_all_reduce_async(tensor, world: int, group=None):
     """Divide ``tensor`` by ``world`` in place and all-reduce it, as torch's default DDP ``allreduce_hook`` does; a
     future of the averaged tensor (what a DDP comm hook returns)."""
     tensor.div_(world)
-    return all_reduce_async(tensor, group).then(_first_value)
+    return all_reduce_async(tensor, group).then(first_value)
 
 
-def _first_value(future):
+def first_value(future):
+    """An all-reduce future's tensor: what a DDP comm hook's future must hold (``Future.then`` callback)."""
     return future.value()[0]
 
 

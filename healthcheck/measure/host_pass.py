@@ -154,40 +154,6 @@ class HostBucket:
         return _host_fold.square_sum(buffer.numpy(), lo, hi)
 
 
-class BucketPlans:
-    """The DDP monitor's :class:`HostBucket` per bucket index, for a sketch of ``k`` and ``seed``: planned at a bucket's
-    first step and again where DDP's rebuild after the first step changed its size."""
-
-    def __init__(self, k: int, seed: int):
-        self.k, self.seed = k, seed
-        self._plans: dict[int, HostBucket] = {}
-
-    def take(self, index: int, buffer: Any) -> HostBucket | None:
-        """Bucket ``index``'s plan for ``buffer``; None on an accelerator or where the C pass does not take it."""
-        kept = self._plans.get(index)
-        if kept is not None and kept.takes(buffer):
-            return kept
-        kept = HostBucket.of(buffer, k=self.k, seed=self.seed, bucket_id=index) if buffer.is_cpu else None
-        if kept is None:
-            self._plans.pop(index, None)
-        else:
-            self._plans[index] = kept
-        return kept
-
-    def square_sum(self, index: int, buffer: Any, lo: int, hi: int) -> float | None:
-        """:meth:`HostBucket.square_sum` where bucket ``index`` has a plan that takes ``buffer`` (its all-reduced
-        result, in place or carried), else None."""
-        kept = self._plans.get(index)
-        return kept.square_sum(buffer, lo, hi) if kept is not None and kept.takes(buffer) else None
-
-    def indices(self) -> list[int]:
-        """The bucket indices that have a plan, in order."""
-        return sorted(self._plans)
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-
 def _divide_square_sketch_c(buffer: Any, target: Any, *, world: int, k: int, seed: int, bucket_id: int) -> tuple[Any, float]:
     """:func:`divide_square_sketch` by one call of the C pass (it divides in place, so a separate target is first
     given the bucket's values: a copy only tests and benchmarks ask for)."""

@@ -51,9 +51,11 @@ import time
 from typing import Any
 
 from healthcheck.measure import distributed, host_pass, runqueue, step_gather
+from healthcheck.measure.bucket_plans import BucketPlans
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import sqnorm_fp32
+from healthcheck.measure.reduced_norm import DeferredSquares, after_ddp_finalize, rank_slice
 from healthcheck.measure.step_gather import InFlight
 from healthcheck.measure.wait_clock import counted_as_waiting
 
@@ -141,7 +143,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._local_copy: dict[int, Any] = {}
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
-        self._host_plans = host_pass.BucketPlans(self._sketcher.dim if self._sketcher else sketch_dim, seed)  # CPU sketch
+        self._squares = DeferredSquares(rank=self._rank, world=self._world, into=self._mean_sqnorm)  # GPU: ‖ḡ‖²
+        self._plans = BucketPlans(self._sketcher.dim if self._sketcher else sketch_dim, seed)  # the one-pass sketch
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
@@ -178,6 +181,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             return future.then(functools.partial(self._unload, buffer.numel()))
         if self.direction == "exact":
             return future.then(functools.partial(self._keep_reduced, index, numel=buffer.numel()))
+        if reduced is buffer and not buffer.is_cpu and not self._checking_reduction() and self._squares.keep(index, buffer):
+            return future.then(distributed.first_value)  # on a GPU ‖ḡ‖²'s share comes after DDP's finalize
         return future.then(functools.partial(self._after_reduce, index, buffer.numel()))
 
     def _measure_local(self, index: int, buffer: Any) -> bool:
@@ -191,9 +196,9 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if self._sketcher is None:
             self._sqnorm[index] = sqnorm_fp32(buffer)
             return False
-        host = self._host_plans.take(index, buffer)
-        if host is not None:
-            self._sketch[index], self._sqnorm[index] = host.divide_square_sketch(buffer, self._world)
+        planned = self._plans.take(index, buffer)  # the host's C pass or the GPU's kernel (bucket_plans.py)
+        if planned is not None:
+            self._sketch[index], self._sqnorm[index] = planned.divide_square_sketch(buffer, self._world)
         elif host_pass.fuses(buffer):
             self._sketch[index], self._sqnorm[index] = host_pass.divide_square_sketch(
                 buffer, buffer, world=self._world, k=self._sketcher.dim, seed=self._sketcher.seed, bucket_id=index
@@ -209,22 +214,14 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         log, save). A rank that is slow there would then start its next step late with its own clock reset,
         and the rank that waited for it in the next forward would be named the straggler instead.
 
-        DDP queues its finalize (which waits for every bucket's all-reduce: on a host, a moment every rank shares)
-        as a final callback right after this last hook returns, and the autograd engine runs final callbacks in
-        order, also those queued while they run: so a callback queued from a callback queued here runs after
-        DDP's. Host only: on a GPU that finalize waits on streams, not for the other ranks.
+        DDP's finalize waits for every bucket's all-reduce (on a host, a moment every rank shares), and
+        :func:`~healthcheck.measure.reduced_norm.after_ddp_finalize` marks the release after it. Host only: on a GPU
+        that finalize waits on streams, not for the other ranks.
         """
         try:
-            _autograd_engine().queue_callback(self._queue_mark)
+            after_ddp_finalize(self._mark_release)
         except RuntimeError:  # not inside a backward (the hook called directly): end_step takes the release
             pass
-
-    def _queue_mark(self) -> None:
-        # Runs before DDP's finalize; what it queues runs after it.
-        try:
-            _autograd_engine().queue_callback(self._mark_release)
-        except RuntimeError:
-            self._mark_release()
 
     def _mark_release(self) -> None:
         self._wait_clock.reset()
@@ -303,9 +300,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
     def _after_reduce(self, index: int, numel: int, future: Any) -> Any:
         reduced = self._keep_reduced(index, future, numel)
         # ‖ḡ‖² is the same on every rank: each computes its 1/N slice, and the gather sums them.
-        width = -(-reduced.numel() // self._world)
-        lo, hi = min(self._rank * width, reduced.numel()), min((self._rank + 1) * width, reduced.numel())
-        own = self._host_plans.square_sum(index, reduced, lo, hi)  # on the host one C call, in float64
+        lo, hi = rank_slice(reduced.numel(), self._rank, self._world)
+        own = self._plans.square_sum(index, reduced, lo, hi)  # on the host one C call, in float64
         if own is None:
             own = sqnorm_fp32(reduced[lo:hi])
             # A host scalar read is free, and floats sum without tensor ops (sum_partials).
@@ -380,6 +376,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
     def _clear_partials(self) -> None:
         super()._clear_partials()
+        self._squares.clear()
         self._local_copy.clear()
         self._reduced.clear()
 
@@ -394,7 +391,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does. Closed, it lets the model be freed.
         """
         super().close()
-        self._host_plans.clear()
+        self._plans.clear()
         if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:
             del self._model._sync_buffers  # DDP's own method again
         self._model = None  # DDP's reducer (C++: the garbage collector cannot see it) keeps this monitor as hook state
@@ -412,8 +409,3 @@ def _consistency_hook(state, bucket):  # noqa: ANN001, ANN202
     """
     return state._reduce_bucket(bucket)
 
-
-def _autograd_engine() -> Any:
-    from torch.autograd import Variable
-
-    return Variable._execution_engine

@@ -338,11 +338,14 @@ class ConsistencyMonitor:
 
 def sum_partials(partials: dict[int, Any], indices: list[int]) -> Any:
     """The per-index partials summed in float64 (they are fp32; no reason to lose more): a float where each
-    is a Python float (a host monitor's), else a 0-d tensor on their device (no host sync).
+    is a Python float (a host monitor's), else a 0-d tensor on their device (no host sync). A tensor partial may
+    hold pieces that add up to it (the GPU kernel's).
 
     >>> import torch
     >>> sum_partials({0: 0.5, 1: 2.0}, [0, 1]), float(sum_partials({0: torch.tensor(0.5), 1: 2.0}, [0, 1]))
     (2.5, 2.5)
+    >>> float(sum_partials({0: torch.tensor([0.25, 0.5]), 1: torch.tensor(2.0)}, [0, 1]))
+    2.75
     """
     import torch
 
@@ -356,7 +359,11 @@ def sum_partials(partials: dict[int, Any], indices: list[int]) -> Any:
         return floats
     # One stack (it promotes, so fp32 values stay exact) and one sum, whatever the bucket count: on a GPU each op is a
     # launch that end_step's thread pays (42 buckets: 44 ops before, 3 now, counted by torch.profiler on the host).
-    total = torch.stack(tensors).to(torch.float64).sum()
+    # The GPU kernel's partials are a few fp32 pieces per bucket (sketch_kernel.DeviceBucket): one cat instead.
+    if any(t.dim() for t in tensors):
+        total = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float64).sum()
+    else:
+        total = torch.stack(tensors).to(torch.float64).sum()
     return total + floats if len(tensors) < len(values) else total
 
 

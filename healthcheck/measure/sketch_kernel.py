@@ -5,17 +5,19 @@ the backward's own launches then wait behind. The torch executor of the sketch
 (:func:`healthcheck.measure.sketch._sketch_accelerator`), ``vector_norm`` and ``div_`` launched ~25 kernels a
 bucket and read it four times (the fold's signed product is written, then summed). On an H200 with a 0.95B Llama
 (one NCCL rank, micro-batch 4 x 1024) the sketch arm cost +32.2% of an 83 ms step that way and +18.5% with this
-kernel, whose GPU time is a few ms (README, Measured figures). Here a bucket costs three launches: this kernel,
-and two sums.
+kernel, whose GPU time is a few ms (README, Measured figures). Here a bucket costs an output buffer, this kernel
+and one sum (:class:`DeviceBucket`).
 
 The kernel computes exactly :func:`healthcheck.measure.sketch.sketch_bucket`'s sketch. The plan's pieces are
 flattened into rows, one per segment, full or partial (:func:`.sketch_layout.row_table`). Each row is described by where its
 segment position 0 lies in the bucket, the positions ``[lo, hi)`` it holds, and its rotation ``r``, all in
 int64, plus its sign ``eps``. One program folds ``BLOCK`` bins of one row: ``acc[j] = sum_q tau[q*p + j] *
-x[base + q*p + j]``, with elements outside ``[lo, hi)`` read as zero. A partial segment is therefore a masked full
+x[base + q*p + j]``, all m blocks loaded as one ``[m, BLOCK]`` tile, with elements outside ``[lo, hi)`` read as
+zero. A partial segment is therefore a masked full
 one, as on the torch path. It writes ``eps * acc`` to bins ``(j + r) mod p`` of its own row of a ``[rows, p]``
 buffer, and the rows are summed afterwards. Each bin of a row is written once, so no atomics are needed and
-the result is the same on every run. The squares of the elements it reads go to one partial per program. With a
+the result is the same on every run. The squares of the elements it reads go to one partial per program, in its
+row's tail (a row is ``p + NB`` floats), so the one sum over the rows gives the sketch and ‖x‖²'s pieces. With a
 divisor, it writes each element back divided (IEEE division, then round to nearest: the bits of ``div_``); every
 element belongs to one program, so nothing reads what another wrote.
 
@@ -41,8 +43,15 @@ import triton.language as tl
 
 from healthcheck.measure.sketch_layout import get_layout, row_table
 
-#: Bins per program. A segment row of p = 4093 bins is 4 programs, and each reads m = 16 strided blocks.
-BLOCK = 1024
+#: Bins per program: a segment row of p = 4093 bins is 32 programs, each loading its m = 16 strided blocks of the row
+#: as one [16, 128] tile. Measured on an H200 (``benchmarks/gpu_bucket_cost.py``, a 25 MiB bf16 bucket divided in
+#: place): 55 µs a bucket, against 93 µs for 1024 bins read block after block (each block's load then waited for the
+#: previous block's store) and 58-78 µs for other tile widths; torch's ``div_`` alone takes 10 µs.
+BLOCK = 128
+#: Warps per program.
+NUM_WARPS = 4
+#: The sign table's dtype on the device (fp32: int8 signs were no faster, 72 against 69 µs at 256 bins).
+TAU_DTYPE = torch.float32
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -53,30 +62,27 @@ def usable(x: Any) -> bool:
 
 
 def _fold_rows(  # noqa: ANN201, N803
-    x_ptr, tau_ptr, meta_ptr, eps_ptr, out_ptr, sq_ptr, world, P, NB, M: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr  # noqa: ANN001
+    x_ptr, tau_ptr, meta_ptr, eps_ptr, out_ptr, world, P, NB, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr  # noqa: ANN001
 ):
     row = tl.program_id(0)
     jb = tl.program_id(1)
-    base = tl.load(meta_ptr + row * 4)  # the bucket position of segment position 0 (negative for a head piece)
+    base = tl.load(meta_ptr + row * 4)
     lo = tl.load(meta_ptr + row * 4 + 1)
     hi = tl.load(meta_ptr + row * 4 + 2)
     r = tl.load(meta_ptr + row * 4 + 3)
     eps = tl.load(eps_ptr + row)
     j = jb * BLOCK + tl.arange(0, BLOCK)
     inside = j < P
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for q in tl.static_range(M):
-        u = q * P + j
-        held = inside & (u >= lo) & (u < hi)
-        v = tl.load(x_ptr + base + u, mask=held, other=0.0).to(tl.float32)
-        t = tl.load(tau_ptr + u, mask=inside, other=0.0)
-        acc += v * t
-        sq += v * v
-        if DIVIDE:  # in place, IEEE division then round to nearest: the bits of torch's buffer.div_(world)
-            tl.store(x_ptr + base + u, tl.math.div_rn(v, world).to(x_ptr.dtype.element_ty), mask=held)
-    tl.store(out_ptr + row * P + (j + r) % P, acc * eps, mask=inside)
-    tl.store(sq_ptr + row * NB + jb, tl.sum(sq, axis=0))
+    q = tl.arange(0, MP)  # MP: M rounded up to a power of two
+    u = q[:, None] * P + j[None, :]
+    ours = (q[:, None] < M) & inside[None, :]
+    held = ours & (u >= lo) & (u < hi)
+    v = tl.load(x_ptr + base + u, mask=held, other=0.0).to(tl.float32)
+    t = tl.load(tau_ptr + u, mask=ours, other=0).to(tl.float32)
+    if DIVIDE:
+        tl.store(x_ptr + base + u, tl.math.div_rn(v, world).to(x_ptr.dtype.element_ty), mask=held)
+    tl.store(out_ptr + row * (P + NB) + (j + r) % P, tl.sum(v * t, axis=0) * eps, mask=inside)
+    tl.store(out_ptr + row * (P + NB) + P + jb, tl.sum(tl.sum(v * v, axis=1), axis=0))
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,15 +98,54 @@ def rows(n: int, lay: Any, seed: int, bucket_id: int, device: str) -> tuple[Any,
     return torch.from_numpy(meta).to(device), torch.from_numpy(eps).to(device)
 
 
-@functools.lru_cache(maxsize=4096)
-def _launch_plan(n: int, k: int, seed: int, bucket_id: int, m: int | None, chunk: int | None, device: str) -> tuple[Any, ...]:
-    """Everything a call needs besides the bucket, looked up once per bucket: on a GPU host the per-call Python is
-    the cost (see the module docstring)."""
-    from healthcheck.measure.sketch_layout import sign_table
+class DeviceBucket:
+    """Everything a bucket's kernel call needs besides the bucket, looked up once (a DDP bucket is sketched every
+    sampled step, and on a GPU host the per-call Python is the cost: see the module docstring).
 
-    lay = get_layout(k, m, chunk)
-    meta, eps = rows(n, lay, seed, bucket_id, device)
-    return lay, meta, eps, sign_table(seed, lay.L, torch.device(device)), triton.cdiv(lay.p, BLOCK)
+    ``divide_square_sketch`` then costs three host operations: an output buffer, the kernel, and one sum over the
+    output's rows. The plan holds no view of the bucket, so a bucket DDP rebuilds is freed as before.
+
+    Args:
+        n: The bucket's element count.
+        dtype, device: The bucket's (``usable`` ones).
+        k, seed, bucket_id, m, chunk: The sketch's (:func:`~healthcheck.measure.sketch.sketch_bucket`).
+    """
+
+    def __init__(
+        self, n: int, dtype: Any, device: Any, *, k: int, seed: int, bucket_id: int, m: int | None = None, chunk: int | None = None
+    ):
+        from healthcheck.measure.sketch_layout import sign_table
+
+        self.n, self.dtype, self.device = n, dtype, torch.device(device)
+        self.lay = get_layout(int(k), m, chunk)
+        self.meta, self.eps = rows(n, self.lay, int(seed), int(bucket_id), str(self.device))
+        self.tau = sign_table(int(seed), self.lay.L, self.device).to(TAU_DTYPE)
+        self.block, self.warps = BLOCK, NUM_WARPS
+        self.p, self.blocks = self.lay.p, triton.cdiv(self.lay.p, self.block)
+        self.grid = (self.meta.shape[0], self.blocks)
+
+    def takes(self, x: Any) -> bool:
+        """Whether ``x`` is a bucket this plan was made for (size, dtype, device, and a layout the kernel takes)."""
+        return x.numel() == self.n and x.dtype == self.dtype and x.device == self.device and x.is_contiguous()
+
+    def divide_square_sketch(self, x: Any, divide_by: int = 1) -> tuple[Any, Any]:
+        """``(sketch, squares)`` of ``x`` as it was: the fp32 ``[p]`` sketch and ``[NB]`` fp32 partial sums of its
+        squares (they add up to ‖x‖²: a caller summing many buckets' adds them in one go), views of one vector;
+        then, with ``divide_by`` > 1, ``x /= divide_by`` in place."""
+        p = self.p
+        if self.n == 0:  # no rows: a launch over an empty grid is an error
+            return torch.zeros(p + 1, dtype=torch.float32, device=x.device).split((p, 1))
+        out = torch.empty((self.grid[0], p + self.blocks), dtype=torch.float32, device=x.device)
+        _kernel()[self.grid](
+            x, self.tau, self.meta, self.eps, out, float(divide_by), p, self.blocks,
+            M=self.lay.m, MP=triton.next_power_of_2(self.lay.m), BLOCK=self.block, DIVIDE=divide_by != 1, num_warps=self.warps,
+        )
+        return out.sum(0).split((p, self.blocks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(n: int, dtype: Any, device: str, k: int, seed: int, bucket_id: int, m: int | None, chunk: int | None) -> DeviceBucket:
+    return DeviceBucket(n, dtype, device, k=k, seed=seed, bucket_id=bucket_id, m=m, chunk=chunk)
 
 
 def sketch_and_sqnorm(
@@ -110,12 +155,6 @@ def sketch_and_sqnorm(
     device, of ``x`` as it was; then, with ``divide_by`` > 1, ``x /= divide_by`` in place (DDP's averaging), all
     from one read of ``x``."""
     x = x.view(-1)
-    lay, meta, eps, tau, blocks = _launch_plan(x.numel(), int(k), int(seed), int(bucket_id), m, chunk, str(x.device))
-    if x.numel() == 0:  # no rows: a launch over an empty grid is an error
-        return torch.zeros(lay.p, dtype=torch.float32, device=x.device), torch.zeros((), dtype=torch.float32, device=x.device)
-    out = torch.empty((meta.shape[0], lay.p), dtype=torch.float32, device=x.device)
-    partial = torch.empty((meta.shape[0], blocks), dtype=torch.float32, device=x.device)
-    _kernel()[(meta.shape[0], blocks)](
-        x, tau, meta, eps, out, partial, float(divide_by), lay.p, blocks, M=lay.m, BLOCK=BLOCK, DIVIDE=divide_by != 1
-    )
-    return out.sum(0), partial.sum()
+    plan = _plan(x.numel(), x.dtype, str(x.device), int(k), int(seed), int(bucket_id), m, chunk)
+    sketched, squares = plan.divide_square_sketch(x, divide_by)
+    return sketched, squares.sum()

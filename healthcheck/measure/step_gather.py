@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from healthcheck.measure import distributed, host_vectors
+from healthcheck.measure import distributed, host_vectors, staged_rows
 from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
 
 #: The fixed columns of the gathered vector, before the extras (sorted by name) and the sketch.
@@ -54,6 +54,8 @@ class InFlight:
     carried: bool = False
     #: The step's metrics once this rank computed them ahead of time (the claimant of shared rows: monitor_core).
     metrics: Optional[StepMetrics] = None
+    #: On a CUDA device with ``overlap``: the rows' host copy, queued behind the gather (:mod:`.staged_rows`).
+    staged: Optional[staged_rows.Staged] = None
 
 
 def pack(
@@ -91,29 +93,31 @@ def pack(
         ]
         return host_vectors.pack(header, sketch), names
     else:
-        # Device scalars are stacked as they are (no host sync); plain numbers become one tensor at once.
-        on_device = torch.stack(
-            [torch.as_tensor(float("nan") if v is None else v, dtype=torch.float64, device=device).reshape(()) for v in measured]
+        # Device scalars stay where they are; plain numbers go over in one copy from pinned memory, without a wait
+        # (a copy from pageable memory makes torch wait for the stream: on a GPU, for the backward to drain).
+        values = [loss, tokens, sqnorm, dot, mean_sqnorm, 0.0 if loss is None else 1.0, *(extras[n] for n in names)]
+        plain = [float("nan") if v is None else float(v) for v in values if not isinstance(v, torch.Tensor)]
+        copied = iter(_numbers_on(device, plain).unbind())
+        column = torch.stack(
+            [v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor) else next(copied) for v in values]
         )
-        numbers = torch.tensor(
-            [
-                float("nan") if tokens is None else float(tokens),
-                0.0 if loss is None else 1.0,
-                *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        loss_tensor, sqnorm_tensor = on_device[0], on_device[1]
         # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
-        flag = ((numbers[1] > 0) & ~torch.isfinite(loss_tensor) | ~torch.isfinite(sqnorm_tensor)).to(torch.float64)
-        parts = [on_device[:1], numbers[:1], on_device[1:], flag.reshape(1), numbers[1:]]
+        flag = ((column[5] > 0) & ~torch.isfinite(column[0]) | ~torch.isfinite(column[2])).to(torch.float64)
+        parts = [column[:5], flag.reshape(1), column[5:]]
     if sketch is not None:
         bits = sketch.to(device=device, dtype=torch.float32).reshape(-1)
         if bits.numel() % 2:
             bits = torch.cat([bits, bits.new_zeros(1)])
         parts.append(bits.view(torch.float64))
     return torch.cat(parts) if len(parts) > 1 else parts[0], names
+
+
+def _numbers_on(device: Any, numbers: list[float]) -> Any:
+    """``numbers`` as a float64 tensor on ``device``; on CUDA copied from pinned memory, so the host does not wait."""
+    import torch
+
+    host = torch.tensor(numbers, dtype=torch.float64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def unpack_sketches(rows: Any, width: int, dim: int) -> Any:
@@ -183,6 +187,7 @@ def launch(
         source=flat,
         sketch_dim=0 if sketch is None else sketch.numel(),
         from_gram="all" if gram is not None else from_gram,
+        staged=staged_rows.stage(work, rows) if overlap and posted is None and not carried else None,
     )
 
 
@@ -331,6 +336,8 @@ def dots_from_sketch_cosines(gram: Any, sqnorms: list[float], mean_sq: float) ->
 
 def finished_within(inflight: InFlight, timeout_s: float) -> bool:
     """Whether the gather has finished, waiting at most ``timeout_s`` (polling: a peer may be gone for good)."""
+    if inflight.staged is not None:
+        return distributed.wait_until(inflight.staged.ready, timeout_s, max_pause_s=0.01)
     if inflight.work is None:
         return True
     return distributed.wait_until(inflight.work.is_completed, timeout_s, max_pause_s=0.01)
@@ -340,6 +347,9 @@ def complete(inflight: InFlight) -> StepMetrics:
     """Wait for the gather (if it still runs), do the step's one host sync, compute its metrics."""
     import torch
 
+    if inflight.staged is not None:  # the rows' host copy: waits for the gather, not for the current stream
+        inflight.rows, inflight.staged = inflight.staged.rows(), None
+        inflight.work = inflight.source = None
     if inflight.work is not None:
         inflight.work.wait()
         inflight.work = inflight.source = None

@@ -24,6 +24,7 @@ import torch
 
 from healthcheck.measure import distributed, runqueue, shared_rows
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.measure.reduced_norm import DeferredSquares
 from healthcheck.run import launcher
 
 SKETCH_DIM = 4096
@@ -217,7 +218,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     assert wrapped.restore() == 0 or direction == "exact", f"{wrapped.count} all-reduces through the wrapper"
     if direction == "sketch" and dtype == torch.float32:
         # Each bucket's C pass was planned once and kept: one plan per bucket of DDP's rebuilt layout.
-        assert monitor._host_plans.indices() == list(range(measured[-1].buckets)), monitor._host_plans.indices()
+        assert monitor._plans.indices() == list(range(measured[-1].buckets)), monitor._plans.indices()
     if shared and overlap:
         # One rank computed each step's metrics and published them; the others read them (shared_rows.py).
         everyone = sorted(step for steps_done in distributed.all_gather_objects(completed) for step in steps_done)
@@ -345,6 +346,29 @@ def _check_reduction_after_clipping() -> None:
         monitor.close()
 
 
+def _check_squares_after_ddp_finalize() -> None:
+    """As on a GPU (reduced_norm.DeferredSquares, here for host buckets too), ‖ḡ‖²'s shares are squared once per step
+    after DDP's finalize instead of in each bucket's callback: the same metrics, and the mean's norm is the
+    all-reduce's even where the loop clips the gradients, the buckets' storage, before end_step."""
+    settled = []
+    takes, settle = DeferredSquares.__dict__["takes"], DeferredSquares.settle  # the staticmethod itself
+    DeferredSquares.takes = staticmethod(lambda reduced: True)  # type: ignore[method-assign]
+    DeferredSquares.settle = lambda self: settled.append(sorted(self._pending)) or settle(self)  # type: ignore[method-assign]
+    try:
+        measured = _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2, overlap=True)
+        assert len(settled) == len(measured), settled  # once per sampled step
+        assert settled[-1] == list(range(measured[-1].buckets)), settled
+        ddp, reference_model = _make_ddp(torch.float32, True)
+        monitor = WorkerConsistencyMonitor(ddp, direction="sketch", overlap=False)
+        loss, local = _train_step(ddp, reference_model, 0, 1, torch.float32)
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+        m = monitor.end_step(loss)
+        _close(m.mean_grad_norm, float(distributed.all_gather_rows(local).mean(0).norm()), 1e-5, "mean_grad_norm after a clip")
+        monitor.close()
+    finally:
+        DeferredSquares.takes, DeferredSquares.settle = takes, settle  # type: ignore[method-assign]
+
+
 def _check_bad_arguments() -> None:
     ddp, _ = _make_ddp(torch.float32, False)
     for field, value in (("direction", "dense"), ("sketch_dim", 0), ("every", 0), ("exact_chunk_numel", -1), ("exchange", "push")):
@@ -383,6 +407,7 @@ def _four_rank_worker() -> None:
     try:
         _check_bad_arguments()
         _check_reduction_after_clipping()
+        _check_squares_after_ddp_finalize()
         _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3)
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=4, every=2)
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True)

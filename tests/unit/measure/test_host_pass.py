@@ -8,6 +8,7 @@ import torch
 
 from healthcheck.measure import host_pass
 from healthcheck.measure import sketch as SK
+from healthcheck.measure.bucket_plans import BucketPlans
 
 K = 31  # p = 31, m = 16, L = 496, T = 15,376: a 40,000-element bucket crosses chunks and has partial segments
 
@@ -128,7 +129,7 @@ def test_a_plan_takes_only_buckets_of_its_size_and_dtype(executor):
 
 
 def test_the_monitors_plans_follow_a_bucket_that_changes_size(executor):
-    plans = host_pass.BucketPlans(K, 5)
+    plans = BucketPlans(K, 5)
     first = plans.take(0, torch.zeros(1_000))
     assert plans.take(1, torch.zeros(10, device="meta")) is None  # an accelerator's bucket: no host plan
     if executor == "numpy":
