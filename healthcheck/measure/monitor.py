@@ -181,7 +181,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             return future.then(functools.partial(self._unload, buffer.numel()))
         if self.direction == "exact":
             return future.then(functools.partial(self._keep_reduced, index, numel=buffer.numel()))
-        if reduced is buffer and not buffer.is_cpu and not self._checking_reduction() and self._squares.keep(index, buffer):
+        if reduced is buffer and not self._checking_reduction() and self._squares.keep(index, buffer):
             return future.then(distributed.first_value)  # on a GPU ‖ḡ‖²'s share comes after DDP's finalize
         return future.then(functools.partial(self._after_reduce, index, buffer.numel()))
 
