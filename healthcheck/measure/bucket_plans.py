@@ -10,6 +10,7 @@ plan that no longer takes its bucket is made again.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from healthcheck.measure.host_pass import HostBucket
@@ -50,7 +51,8 @@ class BucketPlans:
 
         kernel = _kernel_for(buffer)  # looks at the device first: a host bucket never imports Triton
         if kernel is not None and buffer.dim() == 1:
-            return kernel.DeviceBucket(buffer.numel(), buffer.dtype, buffer.device, k=self.k, seed=self.seed, bucket_id=index)
+            planned = kernel.DeviceBucket(buffer.numel(), buffer.dtype, buffer.device, k=self.k, seed=self.seed, bucket_id=index)
+            return _KernelPlan(planned, k=self.k, seed=self.seed, bucket_id=index)
         return HostBucket.of(buffer, k=self.k, seed=self.seed, bucket_id=index) if buffer.is_cpu else None
 
     def square_sum(self, index: int, buffer: Any, lo: int, hi: int) -> float | None:
@@ -65,3 +67,31 @@ class BucketPlans:
 
     def clear(self) -> None:
         self._plans.clear()
+
+
+class _KernelPlan:
+    """A bucket's :class:`~healthcheck.measure.sketch_kernel.DeviceBucket`, and what happens when its kernel fails (a
+    GPU or toolchain Triton cannot build for): the torch sketch, ‖x‖² and division, with one warning, as
+    ``FoldedSketch.with_sqnorm`` does; from then on no plan takes a bucket, and the monitor's general path sketches."""
+
+    def __init__(self, planned: Any, *, k: int, seed: int, bucket_id: int):
+        self.planned, self.k, self.seed, self.bucket_id = planned, k, seed, bucket_id
+
+    def takes(self, buffer: Any) -> bool:
+        from healthcheck.measure import sketch
+
+        return not sketch._KERNEL_OFF and self.planned.takes(buffer)
+
+    def divide_square_sketch(self, buffer: Any, world: int) -> tuple[Any, Any]:
+        try:
+            return self.planned.divide_square_sketch(buffer, world)
+        except Exception as error:  # noqa: BLE001  (the same numbers the slow way)
+            from healthcheck.measure import sketch
+            from healthcheck.measure.precision import sqnorm_fp32
+
+            sketch._KERNEL_OFF.append(error)
+            warnings.warn(f"healthcheck: the fused sketch kernel failed ({error!r}); using the torch sketch", stacklevel=3)
+            measured = sketch.sketch_bucket(buffer, k=self.k, seed=self.seed, bucket_id=self.bucket_id), sqnorm_fp32(buffer).reshape(1)
+            if world != 1:
+                buffer.div_(world)
+            return measured

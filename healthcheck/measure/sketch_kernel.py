@@ -120,7 +120,7 @@ class DeviceBucket:
         self.lay = get_layout(int(k), m, chunk)
         self.meta, self.eps = rows(n, self.lay, int(seed), int(bucket_id), str(self.device))
         self.tau = sign_table(int(seed), self.lay.L, self.device).to(TAU_DTYPE)
-        self.block, self.warps = BLOCK, NUM_WARPS
+        self.block, self.warps, self.mp = BLOCK, NUM_WARPS, triton.next_power_of_2(self.lay.m)
         self.p, self.blocks = self.lay.p, triton.cdiv(self.lay.p, self.block)
         self.grid = (self.meta.shape[0], self.blocks)
 
@@ -138,7 +138,7 @@ class DeviceBucket:
         out = torch.empty((self.grid[0], p + self.blocks), dtype=torch.float32, device=x.device)
         _kernel()[self.grid](
             x, self.tau, self.meta, self.eps, out, float(divide_by), p, self.blocks,
-            M=self.lay.m, MP=triton.next_power_of_2(self.lay.m), BLOCK=self.block, DIVIDE=divide_by != 1, num_warps=self.warps,
+            M=self.lay.m, MP=self.mp, BLOCK=self.block, DIVIDE=divide_by != 1, num_warps=self.warps,
         )
         return out.sum(0).split((p, self.blocks))
 

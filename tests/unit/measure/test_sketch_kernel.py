@@ -109,6 +109,34 @@ def test_a_kernel_that_fails_warns_once_and_the_torch_sketch_takes_over(monkeypa
     assert Broken.calls == 1
 
 
+def test_a_planned_bucket_whose_kernel_fails_warns_once_and_the_torch_sketch_takes_over(monkeypatch):
+    pytest.importorskip("triton")
+    from healthcheck.measure import sketch_kernel
+    from healthcheck.measure.bucket_plans import BucketPlans
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no compiler for this GPU")
+
+            return launch
+
+    monkeypatch.setattr(sketch, "_KERNEL_OFF", [])
+    monkeypatch.setattr(sketch, "_kernel_for", lambda x: None if sketch._KERNEL_OFF else sketch_kernel)  # as on CUDA
+    monkeypatch.setattr(sketch_kernel, "_kernel", lambda: Broken())
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)).bfloat16()  # the host's C pass takes no bf16
+    before = x.clone()
+    plans = BucketPlans(1021, seed=3)
+    planned = plans.take(2, x)
+    assert planned is not None and planned.takes(x)
+    with pytest.warns(UserWarning, match="no compiler for this GPU"):
+        got, squares = planned.divide_square_sketch(x, 4)
+    assert torch.equal(got, sketch.sketch_bucket(before, k=1021, seed=3, bucket_id=2)) and torch.equal(x, before / 4)
+    assert float(squares.sum()) == pytest.approx(float(before.double().square().sum()), rel=1e-5)
+    # No plan takes a bucket again, this one included: the monitor's general path sketches them (one warning in all).
+    assert not planned.takes(x) and plans.take(2, x) is None and plans.take(3, x) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")
 def test_the_compiled_kernel_on_cuda_is_the_host_sketch():
     pytest.importorskip("triton")
