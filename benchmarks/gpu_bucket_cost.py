@@ -11,7 +11,8 @@ time, without a model:
 * **GPU µs per bucket** of the kernel (sketch, ‖x‖² and the division) for kernel settings ``BLOCK x warps x sign
   dtype``, against torch's ``div_`` (what DDP's own hook does to the bucket) and a copy, by CUDA events over
   ``--repeats`` calls, with the bandwidth each reaches counting the bucket read once and written once. Every
-  setting's sketch is checked against the first setting's, and its division against ``div_``.
+  setting's sketch is checked against the first setting's, and its division against ``div_``. The default kernel's
+  launch is also timed alone, with and without the division, and so is the sum over its output rows.
 
     python benchmarks/gpu_bucket_cost.py                     # CUDA only: one NCCL rank
     python benchmarks/gpu_bucket_cost.py --numel 13107200 --settings 128x4xf32 256x8xf32
@@ -103,6 +104,7 @@ def kernel_table(args: argparse.Namespace) -> None:
     for name, fn in (("div_(2) (DDP's division)", lambda: halved.div_(2)), ("y.copy_(x)", lambda: y.copy_(x))):
         us = gpu_us(fn, args.repeats)
         print(f"| {name} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
+    launch_alone(x, nbytes, args.repeats)
     defaults = (sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE)
     reference = None
     try:
@@ -124,6 +126,26 @@ def kernel_table(args: argparse.Namespace) -> None:
                   f"| {us:.1f} | {nbytes / us / 1e3:.0f} |")
     finally:
         sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE = defaults
+
+
+def launch_alone(x: Any, nbytes: int, repeats: int) -> None:
+    """The default kernel's launch on a fixed output buffer, with and without the division, and the sum over its
+    rows: the pieces of ``divide_square_sketch`` apart (back to back, a small op is bound by the launch rate)."""
+    import torch
+
+    from healthcheck.measure import sketch_kernel
+
+    plan = sketch_kernel.DeviceBucket(x.numel(), x.dtype, x.device, k=4096, seed=0, bucket_id=0)
+    out = torch.empty((plan.grid[0], plan.p + plan.blocks), dtype=torch.float32, device=x.device)
+    work, kernel = x.clone(), sketch_kernel._kernel()
+    for divide in (False, True):
+        def launch(divide: bool = divide) -> None:
+            kernel[plan.grid](work, plan.tau, plan.meta, plan.eps, out, 2.0, plan.p, plan.blocks, M=plan.lay.m, MP=plan.mp,
+                              BLOCK=plan.block, DIVIDE=divide, num_warps=plan.warps)
+
+        us = gpu_us(launch, repeats)
+        print(f"| the default kernel's launch alone, division {'on' if divide else 'off'} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
+    print(f"| the sum over its {plan.grid[0]} x {plan.p + plan.blocks} rows (out.sum(0)) | {gpu_us(lambda: out.sum(0), repeats):.1f} | |")
 
 
 def main(argv: list[str] | None = None) -> None:

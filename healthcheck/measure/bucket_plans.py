@@ -10,7 +10,6 @@ plan that no longer takes its bucket is made again.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from healthcheck.measure.host_pass import HostBucket
@@ -72,7 +71,8 @@ class BucketPlans:
 class _KernelPlan:
     """A bucket's :class:`~healthcheck.measure.sketch_kernel.DeviceBucket`, and what happens when its kernel fails (a
     GPU or toolchain Triton cannot build for): the torch sketch, ‖x‖² and division, with one warning, as
-    ``FoldedSketch.with_sqnorm`` does; from then on no plan takes a bucket, and the monitor's general path sketches."""
+    ``FoldedSketch.with_sqnorm`` does (:func:`~healthcheck.measure.sketch.kernel_failed`); from then on no plan takes
+    a bucket, and the monitor's general path sketches."""
 
     def __init__(self, planned: Any, *, k: int, seed: int, bucket_id: int):
         self.planned, self.k, self.seed, self.bucket_id = planned, k, seed, bucket_id
@@ -87,11 +87,7 @@ class _KernelPlan:
             return self.planned.divide_square_sketch(buffer, world)
         except Exception as error:  # noqa: BLE001  (the same numbers the slow way)
             from healthcheck.measure import sketch
-            from healthcheck.measure.precision import sqnorm_fp32
 
-            sketch._KERNEL_OFF.append(error)
-            warnings.warn(f"healthcheck: the fused sketch kernel failed ({error!r}); using the torch sketch", stacklevel=3)
-            measured = sketch.sketch_bucket(buffer, k=self.k, seed=self.seed, bucket_id=self.bucket_id), sqnorm_fp32(buffer).reshape(1)
-            if world != 1:
-                buffer.div_(world)
-            return measured
+            sketch.kernel_failed(error)
+            sketched, sqnorm = sketch.torch_with_sqnorm(buffer, k=self.k, seed=self.seed, bucket_id=self.bucket_id, divide_by=world)
+            return sketched, sqnorm.reshape(1)  # the plan's square sums are 1-D partials

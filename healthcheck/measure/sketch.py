@@ -296,6 +296,28 @@ def compiled_allowed() -> bool:
     return os.environ.get(KERNEL_SWITCH) != "torch"
 
 
+def kernel_failed(error: BaseException) -> None:
+    """Switch the kernel off for the rest of this process, with one warning: a GPU or toolchain Triton cannot build
+    for fails the same way on every bucket, and the torch sketch gives the same numbers (:func:`torch_with_sqnorm`)."""
+    _KERNEL_OFF.append(error)
+    warnings.warn(f"healthcheck: the fused sketch kernel failed ({error!r}); using the torch sketch", stacklevel=3)
+
+
+def torch_with_sqnorm(buffer: Any, *, k: int, seed: int, bucket_id: int, divide_by: int = 1) -> tuple[Any, Any]:
+    """The kernel's results without it: the sketch and ‖buffer‖² (fp32, 0-d) of ``buffer`` as it was, then
+    ``buffer /= divide_by`` in place.
+
+    >>> x = torch.ones(6)
+    >>> sketch, sqnorm = torch_with_sqnorm(x, k=7, seed=0, bucket_id=1, divide_by=2)
+    >>> bool(torch.equal(sketch, sketch_bucket(torch.ones(6), k=7, seed=0, bucket_id=1))), float(sqnorm), x[0].item()
+    (True, 6.0, 0.5)
+    """
+    measured = sketch_bucket(buffer, k=k, seed=seed, bucket_id=bucket_id), sqnorm_fp32(buffer)
+    if divide_by != 1:
+        buffer.div_(divide_by)
+    return measured
+
+
 def _kernel_for(x: Any) -> Any:
     """:mod:`.sketch_kernel` if it takes ``x`` (a contiguous CUDA tensor, Triton installed, not switched off), else None.
     The device is looked at first, so a host run never imports Triton."""
@@ -340,12 +362,8 @@ class FoldedSketch:
             try:
                 return kernel.sketch_and_sqnorm(buffer, k=self.dim, seed=self.seed, bucket_id=index, divide_by=divide_by)
             except Exception as error:  # noqa: BLE001  (a GPU or toolchain Triton cannot build for: same numbers the slow way)
-                _KERNEL_OFF.append(error)
-                warnings.warn(f"healthcheck: the fused sketch kernel failed ({error!r}); using the torch sketch", stacklevel=2)
-        measured = self(index, buffer), sqnorm_fp32(buffer)
-        if divide_by != 1:
-            buffer.div_(divide_by)
-        return measured
+                kernel_failed(error)
+        return torch_with_sqnorm(buffer, k=self.dim, seed=self.seed, bucket_id=index, divide_by=divide_by)
 
     def clear(self) -> None:
         """Nothing per bucket to free: the sign table is constant-size and shared."""

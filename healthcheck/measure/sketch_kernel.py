@@ -4,9 +4,9 @@ Why: a comm hook runs on the autograd thread, and on a GPU every kernel it launc
 the backward's own launches then wait behind. The torch executor of the sketch
 (:func:`healthcheck.measure.sketch._sketch_accelerator`), ``vector_norm`` and ``div_`` launched ~25 kernels a
 bucket and read it four times (the fold's signed product is written, then summed). On an H200 with a 0.95B Llama
-(one NCCL rank, micro-batch 4 x 1024) the sketch arm cost +32.2% of an 83 ms step that way and +18.5% with this
-kernel, whose GPU time is a few ms (README, Measured figures). Here a bucket costs an output buffer, this kernel
-and one sum (:class:`DeviceBucket`).
+(one NCCL rank, micro-batch 4 x 1024) the sketch arm cost +32.2% of an 83 ms step that way, +18.5% with this
+kernel's first form, and +4.4% to +16.7% with this one, planned per bucket (README, "GPU, 2026-11-27"). Here a
+bucket costs an output buffer, this kernel and one sum (:class:`DeviceBucket`).
 
 The kernel computes exactly :func:`healthcheck.measure.sketch.sketch_bucket`'s sketch. The plan's pieces are
 flattened into rows, one per segment, full or partial (:func:`.sketch_layout.row_table`). Each row is described by where its
@@ -66,7 +66,7 @@ def _fold_rows(  # noqa: ANN201, N803
 ):
     row = tl.program_id(0)
     jb = tl.program_id(1)
-    base = tl.load(meta_ptr + row * 4)
+    base = tl.load(meta_ptr + row * 4)  # bucket position of segment position 0 (negative for a head piece)
     lo = tl.load(meta_ptr + row * 4 + 1)
     hi = tl.load(meta_ptr + row * 4 + 2)
     r = tl.load(meta_ptr + row * 4 + 3)
@@ -79,7 +79,7 @@ def _fold_rows(  # noqa: ANN201, N803
     held = ours & (u >= lo) & (u < hi)
     v = tl.load(x_ptr + base + u, mask=held, other=0.0).to(tl.float32)
     t = tl.load(tau_ptr + u, mask=ours, other=0).to(tl.float32)
-    if DIVIDE:
+    if DIVIDE:  # in place, IEEE division then round to nearest: the bits of torch's buffer.div_(world)
         tl.store(x_ptr + base + u, tl.math.div_rn(v, world).to(x_ptr.dtype.element_ty), mask=held)
     tl.store(out_ptr + row * (P + NB) + (j + r) % P, tl.sum(v * t, axis=0) * eps, mask=inside)
     tl.store(out_ptr + row * (P + NB) + P + jb, tl.sum(tl.sum(v * v, axis=1), axis=0))

@@ -124,7 +124,8 @@ def test_a_planned_bucket_whose_kernel_fails_warns_once_and_the_torch_sketch_tak
     monkeypatch.setattr(sketch, "_KERNEL_OFF", [])
     monkeypatch.setattr(sketch, "_kernel_for", lambda x: None if sketch._KERNEL_OFF else sketch_kernel)  # as on CUDA
     monkeypatch.setattr(sketch_kernel, "_kernel", lambda: Broken())
-    x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)).bfloat16()  # the host's C pass takes no bf16
+    # The host's C pass takes no bf16; on a GPU machine the bucket is where the kernel would have run.
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)).bfloat16().to("cuda" if torch.cuda.is_available() else "cpu")
     before = x.clone()
     plans = BucketPlans(1021, seed=3)
     planned = plans.take(2, x)
@@ -150,3 +151,21 @@ def test_the_compiled_kernel_on_cuda_is_the_host_sketch():
         assert float((got.cpu() - want).abs().max()) <= 1e-6 * float(want.norm())
         assert float(sqnorm) == pytest.approx(float(host.double().square().sum()), rel=1e-5)
         assert torch.equal(on_gpu, host.cuda().div_(6))  # DDP's own division, bit for bit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")
+def test_a_planned_cuda_bucket_is_the_host_sketch_and_its_plan_is_kept():
+    # The monitor's path on a GPU: BucketPlans -> _KernelPlan -> DeviceBucket, its square sums 1-D partials.
+    pytest.importorskip("triton")
+    from healthcheck.measure.bucket_plans import BucketPlans
+
+    host = torch.randn(65_488 * 5 + 3, generator=torch.Generator().manual_seed(1)).bfloat16()
+    on_gpu = host.cuda()
+    plans = BucketPlans(4093, seed=0)
+    planned = plans.take(4, on_gpu)
+    got, squares = planned.divide_square_sketch(on_gpu, 8)
+    want = sketch.sketch_bucket(host, k=4093, seed=0, bucket_id=4)
+    assert float((got.cpu() - want).abs().max()) <= 1e-6 * float(want.norm())
+    assert squares.dim() == 1 and float(squares.sum()) == pytest.approx(float(host.double().square().sum()), rel=1e-5)
+    assert torch.equal(on_gpu, host.cuda().div_(8))
+    assert plans.take(4, on_gpu) is planned and plans.take(4, on_gpu.float()) is not planned  # a new dtype, a new plan
