@@ -1,9 +1,10 @@
-"""Import a ``benchmarks/*.py`` script as a module for its smoke tests (the folder is not a package)."""
+"""Import a ``benchmarks/*.py`` script as a module for its smoke tests (the folder is not a package), or run it."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,3 +23,15 @@ def loaded_script(name: str):
         yield module
     finally:
         del sys.modules[spec.name]
+
+
+def run_script(name: str, *args: str, timeout_s: float = 300) -> str:
+    """Run ``benchmarks/<name>.py args`` in a fresh interpreter, as a user does, and return its stdout.
+
+    Why not in the test process: a script that launches ranks forks them from the long-lived pytest process, and
+    such launches hung in CI (a rank of fsdp_cost's, then overhead's elastic agent waiting on workers never joined).
+    """
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=BENCHMARKS.parent,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from healthcheck.measure import sketch
 from healthcheck.measure.host_pass import HostBucket
 
 
@@ -46,9 +47,7 @@ class BucketPlans:
         return kept
 
     def _plan(self, index: int, buffer: Any) -> Any:
-        from healthcheck.measure.sketch import _kernel_for
-
-        kernel = _kernel_for(buffer)  # looks at the device first: a host bucket never imports Triton
+        kernel = sketch._kernel_for(buffer)  # looks at the device first: a host bucket never imports Triton
         if kernel is not None and buffer.dim() == 1:
             planned = kernel.DeviceBucket(buffer.numel(), buffer.dtype, buffer.device, k=self.k, seed=self.seed, bucket_id=index)
             return _KernelPlan(planned, k=self.k, seed=self.seed, bucket_id=index)
@@ -78,16 +77,12 @@ class _KernelPlan:
         self.planned, self.k, self.seed, self.bucket_id = planned, k, seed, bucket_id
 
     def takes(self, buffer: Any) -> bool:
-        from healthcheck.measure import sketch
-
         return not sketch._KERNEL_OFF and self.planned.takes(buffer)
 
     def divide_square_sketch(self, buffer: Any, world: int) -> tuple[Any, Any]:
         try:
             return self.planned.divide_square_sketch(buffer, world)
         except Exception as error:  # noqa: BLE001  (the same numbers the slow way)
-            from healthcheck.measure import sketch
-
             sketch.kernel_failed(error)
             sketched, sqnorm = sketch.torch_with_sqnorm(buffer, k=self.k, seed=self.seed, bucket_id=self.bucket_id, divide_by=world)
             return sketched, sqnorm.reshape(1)  # the plan's square sums are 1-D partials

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.benchmark_scripts import loaded_script
+from tests.benchmark_scripts import loaded_script, run_script
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +32,12 @@ def test_cli_defaults_cover_the_matrix(overhead):
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_two_steps_print_every_column():
-    # A fresh interpreter, as a user runs it: forked from the long-lived pytest process, the launch once hung in CI
-    # (the elastic agent waiting on workers that never joined), as fsdp_cost's smoke run did before.
-    import subprocess
-    import sys
-
-    from tests.benchmark_scripts import BENCHMARKS
-
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--models", "tiny-gpt2", "--nproc", "2",
-                           "--modes", "sketch", "exact", "python-hook", "--steps", "2", "--warmup", "1", "--block", "1"],
-                          cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+def test_two_ranks_two_steps_print_every_column(overhead):
+    out = run_script("overhead", "--models", "tiny-gpt2", "--nproc", "2", "--modes", "sketch", "exact", "python-hook",
+                     "--steps", "2", "--warmup", "1", "--block", "1")
+    lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["model"])
-    assert lines[header].split() == ["model", "world", "mode", "plain_ms", "monitored_ms", "ratio", "ci90", "paired", "cpu_ratio"]
+    assert lines[header].split() == list(overhead.COLUMNS)
     rows = [line.split() for line in lines[header + 1:header + 4]]
     assert [row[:3] for row in rows] == [["tiny-gpt2", "2", "sketch"], ["tiny-gpt2", "2", "exact"], ["tiny-gpt2", "2", "python-hook"]]
     for _model, _world, _mode, plain, monitored, ratio, ci90, paired, cpu_ratio in rows:
@@ -120,16 +111,8 @@ def test_sketch_cost_table(capsys):
 @pytest.mark.multiprocess
 def test_fsdp_cost_smoke_run():
     # FSDP2 against DDP: every arm trains, and each of 2 sharded ranks holds half the gradient a DDP rank holds.
-    # A fresh interpreter, as a user runs it (forked from the long-lived pytest process, a rank once hung).
-    import subprocess
-    import sys
-
-    from tests.benchmark_scripts import BENCHMARKS
-
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "fsdp_cost.py"), "--model", "tiny-gpt2", "--nproc", "2", "--steps", "1",
-                           "--warmup", "1", "--rounds", "1", "--arms", "ddp", "fsdp", "fsdp+sketch"],
-                          cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[-3:]}
+    out = run_script("fsdp_cost", "--model", "tiny-gpt2", "--nproc", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+                     "--arms", "ddp", "fsdp", "fsdp+sketch")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-3:]}
     assert set(rows) == {"ddp", "fsdp", "fsdp+sketch"} and all(float(row[1]) > 0 for row in rows.values())
     assert float(rows["fsdp"][-1]) == pytest.approx(float(rows["ddp"][-1]) / 2, rel=0.05)
