@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import math
 import random
 import statistics
@@ -172,8 +173,18 @@ class Arm:
         apply_update(self.ddp, self.optimizer, max_grad_norm=self.train.max_grad_norm)
 
     def close(self) -> None:
+        """Close the monitor and free DDP's reducer while the process group is still registered.
+
+        A reducer that outlives ``destroy_process_group`` destroys the group itself when the worker's frame is torn
+        down, joining gloo's threads while holding the GIL that one of them needs to release a finished all-gather: a
+        hang of this script's smoke test, 1 run in 6-19 (py-spy: ``~ProcessGroupGloo`` in ``std::thread::join`` under
+        ``Reducer`` dealloc, gloo's ``runLoop`` in ``gil_scoped_acquire``). The probe's worker frees its model the same
+        way (``healthcheck/run/worker.py``).
+        """
         if self.monitor is not None:
             self.monitor.close()
+        self.monitor = self.ddp = self.optimizer = None
+        gc.collect()  # the monitor's comm hook and the model refer to each other
 
 
 def _HookOnlyMonitor() -> Any:
