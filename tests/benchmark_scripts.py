@@ -28,8 +28,9 @@ def loaded_script(name: str):
 def run_script(name: str, *args: str, timeout_s: float = 300) -> str:
     """Run ``benchmarks/<name>.py args`` in a fresh interpreter, as a user does, and return its stdout.
 
-    Why not in the test process: a script that launches ranks forks them from the long-lived pytest process, and
-    such launches hung in CI (a rank of fsdp_cost's, then overhead's elastic agent waiting on workers never joined).
+    A launch forked from the long-lived pytest process inherits that process's state, which a user's run never has.
+    The hangs that once pointed there (fsdp_cost's, then overhead's: 1 run in 6-19 even in a fresh interpreter) were a
+    DDP reducer destroying the process group at teardown, now freed first in both scripts.
     """
     done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=BENCHMARKS.parent,
                           capture_output=True, text=True, timeout=timeout_s)
