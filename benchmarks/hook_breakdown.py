@@ -2,7 +2,7 @@
 
 The harness model of issue 13 on N gloo ranks, two DDP copies (plain, and monitored in
 sketch mode with ``every=1``, by default; with ``--mode sketch-carry`` or ``sketch-gather``, ``exchange="carry"`` or
-``"gather"``) stepped alternately,
+``"gather"``; with ``--mode exact``, exact mode) stepped alternately,
 one step each in turn. Per step, each rank measures its process CPU time for the whole step and, with
 ``time.thread_time``, the CPU its thread spent inside the monitor's comm hook, its after-the-all-reduce
 callback and ``end_step``, and inside the pieces those call (the norm, sketch and division, the squared norms, the packing,
@@ -15,7 +15,7 @@ A/B (``PYTHONPATH=<checkout> python benchmarks/hook_breakdown.py``).
 
 What the pieces do not show is the CPU of gloo's own threads: the step delta minus the monitor's pieces.
 
-    python benchmarks/hook_breakdown.py --nproc 8 --steps 40 [--mode sketch-carry] [--statistic mean]
+    python benchmarks/hook_breakdown.py --nproc 8 --steps 40 [--mode sketch-carry|exact] [--statistic mean]
 
 The wrapping costs ~1 µs a call, a few dozen calls a step: noise against the figures.
 """
@@ -38,20 +38,23 @@ import overhead  # noqa: E402  (a sibling script: the arms and the harness model
 #: (module path, attribute, method or None, label), in the order printed; nested pieces after their callers.
 PIECES: tuple[tuple[str, str, str | None, str], ...] = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket", "hook (all of it)"),
-    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_measure_local", "  norm, sketch, division (one pass on the host)"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_measure_local", "  norm, sketch, division (exact: norm, copy)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_carry_target", "  carry: the bucket and the block (--mode sketch-carry)"),
     ("healthcheck.measure.sketch", "FoldedSketch", "__call__", "  sketch"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_carry", "  carry: this rank's row (--mode sketch-carry)"),
     ("healthcheck.measure.runqueue", "read", None, "  run-queue clock (hook and end_step)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce", "after the all-reduce (all of it)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_unload", "  the reduced bucket, carried rows taken out"),
+    ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_keep_reduced", "after the all-reduce (--mode exact)"),
     ("healthcheck.measure.monitor", "sqnorm_fp32", None, "squared norms (hook and callback)"),
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "end_step", "end_step (all of it)"),
+    ("healthcheck.measure.exact_rows", "post_step", None, "  pack and post the local gradient (--mode exact)"),
     ("healthcheck.measure.step_gather", "pack", None, "  pack the step vector"),
     ("healthcheck.measure.distributed", "all_gather_rows_async", None, "  start the all-gather"),
     ("healthcheck.measure.shared_rows", "SharedRows", "post", "  post the row to shared memory"),
     ("healthcheck.measure.shared_rows", "SharedRows", "read", "  read the rows from shared memory"),
     ("healthcheck.measure.step_gather", "complete", None, "  compute a step's metrics (the claimant, or a fallback)"),
+    ("healthcheck.measure.host_vectors", "header_and_gram", None, "    its Gram (--mode exact: of the local gradients)"),
     ("healthcheck.measure.step_gather", "compute_step_metrics", None, "    its metrics"),
     ("healthcheck.measure.shared_rows", "SharedRows", "publish", "  publish them (the claimant)"),
     ("healthcheck.measure.shared_rows", "SharedRows", "published", "  read the published metrics"),
@@ -138,7 +141,7 @@ def breakdown_worker(
                     start = time.process_time()
                     arms[name].step(*batches[index % len(batches)])
                     # The monitored arm is labelled "sketch" whatever its exchange (render's rows).
-                    row["step, plain" if name == overhead.PLAIN else "step, sketch"] = (time.process_time() - start) * 1000
+                    row["step, plain" if name == overhead.PLAIN else "step, monitored"] = (time.process_time() - start) * 1000
                     if name == mode:
                         row.update(totals)
                 rows.append(row)
@@ -155,25 +158,25 @@ def breakdown_worker(
 def render(per_rank: list[dict[str, float]]) -> str:
     """The table: one line per quantity, the median over ranks and then each rank.
 
-    >>> print(render([{"step, plain": 10.0, "step, sketch": 11.0}, {"step, plain": 12.0, "step, sketch": 12.5}]))
+    >>> print(render([{"step, plain": 10.0, "step, monitored": 11.0}, {"step, plain": 12.0, "step, monitored": 12.5}]))
     | CPU ms per step | median over ranks | rank 0 | rank 1 |
     | --- | ---: | ---: | ---: |
     | step, plain | 11.00 | 10.00 | 12.00 |
-    | step, sketch | 11.75 | 11.00 | 12.50 |
+    | step, monitored | 11.75 | 11.00 | 12.50 |
     | step delta (monitored − plain) | 0.75 | 1.00 | 0.50 |
     """
     keys = list(dict.fromkeys(key for rank in per_rank for key in rank))
-    delta = [rank["step, sketch"] - rank["step, plain"] for rank in per_rank]
+    delta = [rank["step, monitored"] - rank["step, plain"] for rank in per_rank]
     lines = [
         "| CPU ms per step | median over ranks | " + " | ".join(f"rank {r}" for r in range(len(per_rank))) + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in per_rank) + " |",
     ]
-    ordered = [key for key in ("step, plain", "step, sketch") if key in keys]
+    ordered = [key for key in ("step, plain", "step, monitored") if key in keys]
     ordered += [label for *_, label in PIECES if label in keys]
     for key in ordered:
         values = [rank.get(key, 0.0) for rank in per_rank]
         lines.append(f"| {key} | {statistics.median(values):.2f} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
-        if key == "step, sketch":
+        if key == "step, monitored":
             lines.append(
                 f"| step delta (monitored − plain) | {statistics.median(delta):.2f} | " + " | ".join(f"{v:.2f}" for v in delta) + " |"
             )
@@ -186,9 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sketch-dim", type=int, default=overhead.SKETCH_DIM)
-    parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY, overhead.SKETCH_GATHER), default="sketch",
+    parser.add_argument("--mode", choices=("sketch", overhead.SKETCH_CARRY, overhead.SKETCH_GATHER, "exact"), default="sketch",
                         help="the monitored arm: sketch mode as by default (shared memory on one host), with "
-                             "exchange='carry', or with exchange='gather'")
+                             "exchange='carry', with exchange='gather', or exact mode")
     parser.add_argument("--statistic", choices=("median", "mean"), default="median",
                         help="over steps: the median (the default), or the mean (a piece that runs in some steps only)")
     return parser.parse_args(argv)

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Elements, across all ranks, upcast to float64 at a time for the Gram (as the host's chunked exact pass).
+GRAM_SLICE_NUMEL = 1 << 18
+
 
 def pack(header: list[float], sketch: Any) -> Any:
     """The float64 vector: the header's floats, then the sketch's fp32 bits (zero-padded to a whole float64)."""
@@ -38,8 +41,31 @@ def pack(header: list[float], sketch: Any) -> Any:
 def header_and_gram(rows: Any, width: int, dim: int) -> tuple[list[list[float]], Any]:
     """From gathered ``[world, width + ceil(dim / 2)]`` rows: each rank's ``width`` header values, and the
     float64 Gram of the ranks' ``dim``-long sketches (a numpy array: the metrics take it as it is)."""
+    host = rows.numpy()
+    return host[:, :width].tolist(), fp32_gram(host[:, width:], dim)
+
+
+def fp32_gram(bits: Any, dim: int) -> Any:
+    """The float64 Gram of the ``dim``-long fp32 vectors whose bits fill the rows of ``bits`` (a 2-D float64 numpy
+    array, each row contiguous: a view into gathered or shared rows, never copied whole).
+
+    >>> import numpy as np
+    >>> rows = np.zeros((2, 2)); rows.view(np.float32)[:, :3] = [[1, 2, 3], [0, 1, 0]]
+    >>> fp32_gram(rows, 3).tolist()
+    [[14.0, 2.0], [2.0, 1.0]]
+    """
     import numpy as np
 
-    host = rows.numpy()
-    sketches = np.ascontiguousarray(host[:, width:]).view(np.float32)[:, :dim].astype(np.float64)
-    return host[:, :width].tolist(), sketches @ sketches.T
+    world = bits.shape[0]
+    vectors = [bits[r].view(np.float32)[:dim] for r in range(world)]
+    gram = np.zeros((world, world), dtype=np.float64)
+    # Upcast column slices, not the whole block: an exact-mode row is a whole gradient (exact_rows.py), and a
+    # slice stays in cache while its products add up. A sketch is one slice.
+    columns = max(1, GRAM_SLICE_NUMEL // world)
+    block = np.empty((world, min(columns, dim)), dtype=np.float64)
+    for first in range(0, dim, columns):
+        part = block[:, : min(columns, dim - first)]
+        for r, vector in enumerate(vectors):
+            part[r] = vector[first : first + columns]
+        gram += part @ part.T
+    return gram

@@ -14,12 +14,13 @@ The cosine to the mean is read off the sketches in sketch mode (as under FSDP2; 
 cosines) and off the Gram in exact mode; the norms, ‖ḡ‖² and the losses are exact in both.
 
 ``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
-step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). In sketch mode
-with every rank on one host, the default ``exchange="auto"`` writes the rows to shared memory instead
-(:mod:`.shared_rows`: no collective). With ``exchange="carry"`` (sketch mode, ``overlap``) each rank's vector
-rides in its own slot of a block appended to the next step's last gradient bucket, whose SUM all-reduce hands
-every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes in ``flush``). The rows
-become Python floats once, for :func:`healthcheck.measure.metrics.compute_step_metrics`.
+step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With every rank
+on one host's CPU, the default ``exchange="auto"`` writes the rows to shared memory instead
+(:mod:`.shared_rows`: no collective), in exact mode with the whole local gradient (:mod:`.exact_rows`: the file
+holds 2 × N × P fp32 values, P <= ``exact_chunk_numel`` parameters). With ``exchange="carry"`` (sketch mode,
+``overlap``) each rank's vector rides in its own slot of a block appended to the next step's last gradient bucket,
+whose SUM all-reduce hands every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes
+in ``flush``). The rows become Python floats once, for :func:`healthcheck.measure.metrics.compute_step_metrics`.
 
 The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module states the error bound:
 std of |Δcos| <= sqrt(2/p), p the sketch's prime width, e.g. 4093 for sketch_dim 4096); the exact
@@ -29,8 +30,8 @@ multiple of ``every``) every k-th step also keeps each bucket's local gradient a
 for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and ``reduction_bound_ratio``.
 
 Memory: sketch mode keeps no per-parameter state and no copy of the gradient (a 256 KB sign table whatever the
-model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a
-copy of the local gradient between the hook and ``end_step`` plus N × ``exact_chunk_numel`` elements per gather.
+model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a copy
+of the local gradient (a host's, kept between steps) plus N × ``exact_chunk_numel`` elements per gather (shared: below)
 
 The same class takes an FSDP2 root (a module sharded with ``fully_shard``): it then returns a
 :class:`healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`, with the same arguments, ``end_step``
@@ -50,7 +51,7 @@ import functools
 import time
 from typing import Any
 
-from healthcheck.measure import distributed, host_pass, runqueue, step_gather
+from healthcheck.measure import distributed, exact_rows, host_pass, runqueue, step_gather
 from healthcheck.measure.bucket_plans import BucketPlans
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
@@ -82,10 +83,11 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         process_group: Group to reduce and gather over; defaults to the model's.
         overlap: Gather each step's numbers asynchronously and read them one step later (see
             :meth:`end_step` and :mod:`healthcheck.measure.step_gather`); False: at once.
-        exchange: How a step's numbers reach the other ranks in sketch mode: "auto" (shared memory where every
-            rank's tensors are on this host's CPU, :mod:`.shared_rows`; else as "gather"), "gather" (an all-gather
-            of their own) or "carry" (with ``overlap``, inside the next step's last gradient all-reduce; a rank
-            that fails before it takes the step's numbers with it; see :meth:`_carry`).
+        exchange: How a step's numbers reach the other ranks: "auto" (shared memory where every rank's tensors
+            are on this host's CPU, :mod:`.shared_rows`, in exact mode with the local gradients, :mod:`.exact_rows`;
+            else as "gather"), "gather" (an all-gather of their own; exact mode's chunked gather) or "carry"
+            (sketch mode with ``overlap``: inside the next step's last gradient all-reduce; a rank that fails
+            before it takes the step's numbers with it; see :meth:`_carry`).
         **fsdp_options: FSDP2 only (:class:`~healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`).
 
     Raises:
@@ -139,8 +141,9 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
         if exchange == "carry" and not (direction == "sketch" and overlap):
             raise ValueError("exchange='carry' needs direction='sketch' and overlap=True (the rows ride a step later)")
-        self.exchange, self._share_rows = exchange, exchange == "auto" and direction == "sketch"
+        self.exchange, self._share_rows = exchange, exchange == "auto"
         self._local_copy: dict[int, Any] = {}
+        self._kept_copies: dict[int, Any] = {}  # CPU: each bucket's copy buffer, reused (exact_rows.host_copy)
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
         self._host_targets: dict[int, Any] = {}  # CPU: each bucket's kept all-reduce buffer (_reduce_target)
         self._squares = DeferredSquares(rank=self._rank, world=self._world, into=self._mean_sqnorm)  # GPU: ‖ḡ‖²
@@ -188,11 +191,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
     def _measure_local(self, index: int, buffer: Any) -> bool:
         """What the step needs of this rank's local gradient before the all-reduce replaces it: ‖g_i‖², the sketch
         (sketch mode), a copy (exact mode; sketch mode on reduction-check steps). Returns whether the bucket was divided
-        by the world size on the way (sketch mode: :mod:`.host_pass`, :mod:`.sketch_kernel`). Nothing needs it later:
-        an exact ⟨g_i, ḡ⟩ did, at a copy of every bucket and a second read (README, Measured figures)."""
+        by the world size on the way (sketch mode: :mod:`.host_pass`, :mod:`.sketch_kernel`)."""
         if self.direction == "exact" or self._checking_reduction():
             # The bucket becomes the averaged gradient, so the exact pass reads a copy of the local one.
-            self._local_copy[index] = buffer.clone()
+            self._local_copy[index] = exact_rows.host_copy(self._kept_copies, index, buffer)
         if self._sketcher is None:
             self._sqnorm[index] = sqnorm_fp32(buffer)
             return False
@@ -242,10 +244,9 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         asynchronous gather was. A bucket that is not fp32/fp64 cannot hold the rows exactly: the row then goes
         in an all-gather of its own, started here, at the same point on every rank.
 
-        Not the default: on the issue-13 harness (8 gloo ranks, 2 cores) it saved at most ~2% of a step (0.00-0.02
-        in four interleaved runs; README, Measured figures), neither design meets 1.03 there, and a rank that fails
-        before the next step's last all-reduce takes the step's numbers with it, where an all-gather started at
-        ``end_step`` still completes (README, Reliability). On a GPU an extra NCCL all-gather is a stream launch.
+        Not the default: on the issue-13 harness it saved at most ~2% of a step against the gather (README, Measured
+        figures), and a rank that fails before the next step's last all-reduce takes the step's numbers with it, where
+        an all-gather started at ``end_step`` still completes (README, Reliability).
         """
         import torch
 
@@ -345,10 +346,17 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
     def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
         """Exact mode gathers every rank's local gradient in chunks: synchronous by design, so memory stays
-        bounded (N x exact_chunk_numel), and the step's header rides on the last chunk."""
+        bounded (N x exact_chunk_numel), and the step's header rides on the last chunk. Where every rank is on this
+        host's CPU (``exchange="auto"``) the gradients go through shared memory instead (:mod:`.exact_rows`)."""
         import torch
 
         sqnorm = sum_partials(self._sqnorm, indices)
+        local = [self._local_copy[index] for index in indices]
+        if self._share_rows and not checking and exact_rows.shareable(local, self.exact_chunk_numel):
+            inflight = exact_rows.post_step(step=step, world=self._world, post=self._post_shared, loss=loss, tokens=tokens,
+                                            sqnorm=sqnorm, extras=extras, local=local, buckets=len(indices))
+            if inflight is not None:  # else every rank could not map the file: the chunked pass, as every rank does
+                return inflight
         zero = torch.zeros((), dtype=torch.float64, device=sqnorm.device)
         if checking:  # the reduction extras exist only after the pass, so the header takes its own gather
             gram, reduction = self._stream(indices, gram=True, reduction=True)
@@ -392,6 +400,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         """
         super().close()
         self._plans.clear()
+        self._kept_copies.clear()
         if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:
             del self._model._sync_buffers  # DDP's own method again
         self._model = None  # DDP's reducer (C++: the garbage collector cannot see it) keeps this monitor as hook state

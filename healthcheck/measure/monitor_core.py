@@ -274,17 +274,19 @@ class ConsistencyMonitor:
             **pieces,
         )
 
-    def _post_shared(self, flat: Any) -> Any:
+    def _post_shared(self, flat: Any, tail: Any = None) -> Any:
         """The step's row through shared memory where every rank is on this host (:mod:`.shared_rows`), else None
-        (the all-gather). The first call on a host tensor attaches: a collective, taken alike by every rank."""
+        (the all-gather). The first call on a host tensor attaches: a collective, taken alike by every rank.
+        ``tail``: exact mode's local gradient pieces (:meth:`.SharedRows.post`)."""
         if flat.device.type != "cpu":
             return None
         if self._shared is None:
-            self._shared = shared_rows.attach(self._group, flat.numel(), distributed.timeout_s(self._group))
+            width = shared_rows.row_width(flat.numel(), sum(piece.numel() for piece in tail or ()))
+            self._shared = shared_rows.attach(self._group, width, distributed.timeout_s(self._group))
             self._share_rows = self._shared is not None  # every rank agreed either way: none tries again
             if self._shared is None:
                 return None
-        return self._shared.post(flat)
+        return self._shared.post(flat, tail)
 
     def _dot_total(self, indices: list[int]) -> Any:
         """The header's ⟨g_i, ḡ⟩ column: a zero, as no monitor measures it. Sketch mode reads the cosine to the mean

@@ -40,9 +40,9 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from healthcheck.measure import distributed
+from healthcheck.measure import distributed, host_vectors
 
 try:  # built by ``pip install`` where a C compiler is found (setup.py: optional)
     from healthcheck.measure._fence import fence, raise_to
@@ -57,6 +57,15 @@ SPARE = 64
 DIRECTORY = "/dev/shm"
 _HEADER = 5  # float64: token, world, capacity, slots, result bytes
 _RESULT_HEAD = 4  # 8-byte words before a result's payload: claim (int64), begin stamp, end stamp, length
+
+
+def row_width(header: int, dim: int) -> int:
+    """float64 values of a row of ``header`` values followed by a ``dim``-long fp32 vector (two to a value).
+
+    >>> row_width(7, 0), row_width(7, 5)
+    (7, 10)
+    """
+    return header + -(-dim // 2)
 
 
 def result_bytes(world: int) -> int:
@@ -94,13 +103,21 @@ class SharedRows:
         self._results = np.ndarray((SLOTS, self._result_words), dtype=np.float64, buffer=buffer, offset=self._results_at)
         self._posts = 0
 
-    def post(self, flat: Any) -> Optional[tuple["Posted", Any]]:
+    def post(self, flat: Any, tail: Optional[Sequence[Any]] = None) -> Optional[tuple["Posted", Any]]:
         """Write this rank's row (a 1-D float64 host tensor); ``(work, rows)`` as an asynchronous all-gather returns
         them (``rows`` is valid once ``work`` completed), or None when the row is wider than the capacity (the caller
-        gathers it instead: every rank posts the same width, so every rank decides alike)."""
+        gathers it instead: every rank posts the same width, so every rank decides alike).
+
+        ``tail``: 1-D host tensors whose values follow ``flat`` in the row as one fp32 vector (exact mode's local
+        gradient, bucket by bucket: :mod:`.exact_rows`), written straight from them. The reader then copies only
+        ``flat``'s columns into ``rows`` and computes the float64 Gram of the ranks' vectors where they lie
+        (``work.gram``): a copy of every rank's gradient cost the reader more than the Gram."""
+        import numpy as np
         import torch
 
-        width = flat.numel()
+        dim = sum(piece.numel() for piece in tail) if tail else 0
+        header = flat.numel()
+        width = row_width(header, dim)
         if width > self.capacity:
             return None
         self._posts += 1
@@ -108,26 +125,39 @@ class SharedRows:
         row = self._table[self._posts % SLOTS, self.rank]
         row[0] = n
         fence()
-        row[2 : 2 + width] = flat.numpy()
+        row[2 : 2 + header] = flat.numpy()
+        if tail:
+            vector = torch.from_numpy(row[2 + header : 2 + width].view(np.float32))
+            at = 0
+            for piece in tail:
+                vector[at : at + piece.numel()].copy_(piece.reshape(-1))  # converts a bf16/fp16 piece on the way
+                at += piece.numel()
+            vector[dim:] = 0.0  # the padding of an odd length
         fence()
         row[1] = n
         fence()  # before this rank looks at the others' stamps: the last to post then sees every row (claim)
-        out = torch.empty((self.world, width), dtype=torch.float64)
-        return Posted(self, self._posts, width, out), out
+        out = torch.empty((self.world, header), dtype=torch.float64)
+        return Posted(self, self._posts, width, out, dim), out
 
-    def read(self, post: int, width: int, out: Any) -> bool:
-        """Copy post ``post``'s rows into ``out`` if every rank has written them; whether it did."""
+    def read(self, post: int, width: int, out: Any, dim: int = 0) -> Optional[Any]:
+        """Copy post ``post``'s rows into ``out`` (its first ``out.shape[1]`` columns) if every rank has written them.
+        Returns None where not every rank has, else the float64 Gram of the ``dim``-long fp32 vectors that follow
+        those columns (see :meth:`post`), or True without them."""
+        import torch
+
         rows = self._table[post % SLOTS]
         if not (rows[:, 1] == post).all():
             if (rows[:, 1] > post).any():
                 raise _overwritten(post, "before")
-            return False
+            return None
         fence()
-        out.numpy()[:] = rows[:, 2 : 2 + width]
+        copied = out.shape[1]
+        out.numpy()[:] = rows[:, 2 : 2 + copied]
+        gram = torch.from_numpy(host_vectors.fp32_gram(rows[:, 2 + copied : 2 + width], dim)) if dim else True
         fence()
         if not (rows[:, 0] == post).all():
             raise _overwritten(post, "while")
-        return True
+        return gram
 
     def claim(self, post: int) -> bool:
         """Whether this rank computes post ``post``'s metrics: of the ranks that ask, exactly one is told so."""
@@ -181,13 +211,18 @@ def _overwritten(post: int, when: str, what: str = "rows") -> RuntimeError:
 class Posted:
     """A post's completion, with the interface of a collective's work object (``wait``, ``is_completed``)."""
 
-    def __init__(self, rows: SharedRows, post: int, width: int, out: Any):
-        self._rows, self.post, self._width, self._out = rows, post, width, out
+    def __init__(self, rows: SharedRows, post: int, width: int, out: Any, dim: int = 0):
+        self._rows, self.post, self._width, self._out, self._dim = rows, post, width, out, dim
         self._done = False
+        #: With ``dim`` (exact mode), the float64 Gram of the ranks' vectors once completed (:meth:`SharedRows.post`).
+        self.gram: Any = None
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._done = self._rows.read(self.post, self._width, self._out)
+            read = self._rows.read(self.post, self._width, self._out, self._dim)
+            self._done = read is not None
+            if self._dim and read is not None:
+                self.gram = read
         return self._done
 
     def wait(self) -> None:

@@ -352,6 +352,8 @@ def complete(inflight: InFlight) -> StepMetrics:
         inflight.work = inflight.source = None
     if inflight.work is not None:
         inflight.work.wait()
+        if inflight.gram is None:  # exact mode's shared rows: the reader computed the Gram (exact_rows.py)
+            inflight.gram = getattr(inflight.work, "gram", None)
         inflight.work = inflight.source = None
     if inflight.rows is None:
         raise RuntimeError(

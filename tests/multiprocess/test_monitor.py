@@ -150,8 +150,9 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
     every one is checked against the reference kept from its own step. With ``exchange="carry"`` they
-    ride on the next step's last all-reduce instead of a gather; with "auto" (sketch mode) they go through shared
-    memory, unless a rank could not map it (``shared_ok`` False: every rank must then gather). There one rank
+    ride on the next step's last all-reduce instead of a gather; with "auto" they go through shared
+    memory (exact mode: each rank's whole local gradient, instead of its chunked gather), unless a rank could not
+    map it (``shared_ok`` False: every rank must then gather). There one rank
     computes each step's metrics and publishes them, unless they cannot be (``publishes`` False: every rank then
     computes them itself).
     """
@@ -175,6 +176,7 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
 
     gathers = _count_step_gathers()
     wrapped = _count_wrapped_all_reduces()
+    chunked = _count_chunked_passes()
     completed = []  # the steps whose metrics this rank computed from the rows
     compute = monitor._complete
     monitor._complete = lambda inflight: completed.append(inflight.step) or compute(inflight)  # type: ignore[method-assign]
@@ -203,7 +205,12 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         check(last)
     else:
         assert last is None
-    shared = exchange == "auto" and direction == "sketch" and shared_ok
+    shared = exchange == "auto" and shared_ok
+    passes = chunked.restore()
+    if direction == "exact":
+        # Through shared memory, exact mode's local gradients need no gather of their own (exact_rows.py).
+        expected = 0 if shared else len(measured)
+        assert passes == expected, f"{passes} chunked gathers of the local gradients, expected {expected}"
     if shared or (overlap and direction == "sketch"):
         # Carried, an fp32 bucket takes each step's rows to every rank, so the only gather of their own is
         # the last step's, in flush(); a bf16 bucket cannot hold them exactly: every sampled step has one.
@@ -239,6 +246,26 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     assert all(v >= 0 for v in waits) if clocked else all(v >= 0 or math.isnan(v) for v in waits), waits
     _check_close_restores_average(ddp, reference_model, monitor, dtype)
     return measured
+
+
+class _count_chunked_passes:
+    """Counts exact mode's chunked passes over the local gradients (each a series of all-gathers), until ``restore()``."""
+
+    def __init__(self) -> None:
+        from healthcheck.measure import monitor as monitor_module
+
+        self.count, self._module = 0, monitor_module
+        self._original = monitor_module.stream_local_gradients
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self._original(*args, **kwargs)
+
+        monitor_module.stream_local_gradients = counting
+
+    def restore(self) -> int:
+        self._module.stream_local_gradients = self._original
+        return self.count
 
 
 class _count_step_gathers:
@@ -417,6 +444,8 @@ def _four_rank_worker() -> None:
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=2, overlap=True, exchange="carry")
         _run_scenario("sketch", torch.float32, bucket_view=True, accum=2, steps=5, every=2, overlap=True, exchange="auto")
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=3, exchange="auto")
+        _run_scenario("exact", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="auto")
+        _run_scenario("exact", torch.bfloat16, bucket_view=True, accum=2, steps=2, exchange="auto")
         _check_a_rank_that_cannot_map_makes_every_rank_gather()
         _check_metrics_that_cannot_be_published_are_computed_by_every_rank()
         _check_nonfinite()
@@ -432,6 +461,7 @@ def _eight_rank_worker() -> None:
         _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="carry")
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=4, overlap=True, exchange="auto")
+        _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=3, overlap=True, exchange="auto")
     finally:
         distributed.destroy_distributed()
 
