@@ -19,7 +19,7 @@ buckets beside the gathered ones), or a host whose ranks could not map the file.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from healthcheck.measure.step_gather import InFlight, pack
 
@@ -41,6 +41,22 @@ def shareable(local: Sequence[Any], limit: int) -> bool:
         and all(piece.device.type == "cpu" and piece.dtype in exact_in_fp32 for piece in local)
         and sum(piece.numel() for piece in local) <= limit
     )
+
+
+def reserved(direction: str, parameters: Iterable[Any], limit: int) -> int:
+    """fp32 values the shared rows must hold besides a step's header: in exact mode the local gradient, the
+    parameters that take one (a DDP bucket holds those), unless more than ``limit``. The file is sized at the first
+    post, which may be a reduction-check step's header alone.
+
+    >>> import torch
+    >>> params = [torch.zeros(3, requires_grad=True), torch.zeros(4)]
+    >>> reserved("exact", params, limit=5), reserved("exact", params, limit=2), reserved("sketch", params, limit=5)
+    (3, 0, 0)
+    """
+    if direction != "exact":
+        return 0
+    numel = sum(p.numel() for p in parameters if p.requires_grad)
+    return numel if numel <= limit else 0
 
 
 def post_step(

@@ -142,6 +142,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         if exchange == "carry" and not (direction == "sketch" and overlap):
             raise ValueError("exchange='carry' needs direction='sketch' and overlap=True (the rows ride a step later)")
         self.exchange, self._share_rows = exchange, exchange == "auto"
+        self._shared_tail = exact_rows.reserved(direction, model.parameters(), exact_chunk_numel)
         self._local_copy: dict[int, Any] = {}
         self._kept_copies: dict[int, Any] = {}  # CPU: each bucket's copy buffer, reused (exact_rows.host_copy)
         self._reduced: dict[int, Any] = {}  # this rank's all-reduced buckets, on reduction-check steps
@@ -152,8 +153,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         model.register_comm_hook(state=self, hook=_consistency_hook)
         self._model: Any = model  # None once closed
-        # DDP's forward broadcasts the buffers from rank 0: a wait on the others inside the step (wait_clock.py).
-        # A private method: where a torch lacks it, the broadcast is not timed.
+        # DDP's forward broadcasts the buffers from rank 0, a wait inside the step (wait_clock.py); private: may be absent.
         if callable(getattr(model, "_sync_buffers", None)):
             model._sync_buffers = counted_as_waiting(model._sync_buffers, self.waiting)  # type: ignore[method-assign]
 

@@ -70,6 +70,7 @@ class ConsistencyMonitor:
         # Whether a step's row may go through shared memory (set by a monitor that offers it; cleared where the
         # ranks could not attach), and the mapping once the first post attached (shared_rows.py).
         self._share_rows = False
+        self._shared_tail = 0  # fp32 values a row must have room for besides the header (exact mode's gradient)
         self._shared: SharedRows | None = None
         #: When this rank's latest gradient piece was ready, and when the previous step's reduction ended.
         self._arrived: float | None = None
@@ -281,7 +282,7 @@ class ConsistencyMonitor:
         if flat.device.type != "cpu":
             return None
         if self._shared is None:
-            width = shared_rows.row_width(flat.numel(), sum(piece.numel() for piece in tail or ()))
+            width = shared_rows.row_width(flat.numel(), max(self._shared_tail, sum(piece.numel() for piece in tail or ())))
             self._shared = shared_rows.attach(self._group, width, distributed.timeout_s(self._group))
             self._share_rows = self._shared is not None  # every rank agreed either way: none tries again
             if self._shared is None:

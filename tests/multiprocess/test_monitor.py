@@ -145,7 +145,8 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
 
 
 def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
-                  overlap: bool = False, exchange: str = "gather", shared_ok: bool = True, publishes: bool = True) -> list:
+                  overlap: bool = False, exchange: str = "gather", shared_ok: bool = True, publishes: bool = True,
+                  reduction_every: int = 0) -> list:
     """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
@@ -154,12 +155,13 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     memory (exact mode: each rank's whole local gradient, instead of its chunked gather), unless a rank could not
     map it (``shared_ok`` False: every rank must then gather). There one rank
     computes each step's metrics and publishes them, unless they cannot be (``publishes`` False: every rank then
-    computes them itself).
+    computes them itself). ``reduction_every``: check the reduction every k-th step (exact mode gathers those
+    steps in chunks).
     """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
     monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7,
-                                       overlap=overlap, exchange=exchange)
+                                       overlap=overlap, exchange=exchange, reduction_every=reduction_every)
     bf16 = dtype == torch.bfloat16
     references: dict[int, tuple] = {}
     measured: list = []
@@ -172,6 +174,8 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
         # all-reduced mean, which DDP rounds to bf16 for a bf16 model.
         mean_rel = 1e-5 if direction == "exact" or not bf16 else 2e-2
         _check_against_reference(m, grads, losses, [10 + 3 * r for r in range(n)], direction == "exact", mean_rel)
+        if reduction_every and m.step % reduction_every == 0:  # a correct all-reduce rounds within the bound
+            assert 0 <= max(m.per_rank_extras["reduction_bound_ratio"]) <= 1, m.per_rank_extras
         measured.append(m)
 
     gathers = _count_step_gathers()
@@ -209,7 +213,8 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     passes = chunked.restore()
     if direction == "exact":
         # Through shared memory, exact mode's local gradients need no gather of their own (exact_rows.py).
-        expected = 0 if shared else len(measured)
+        checks = sum(1 for m in measured if reduction_every and m.step % reduction_every == 0)
+        expected = checks if shared else len(measured)
         assert passes == expected, f"{passes} chunked gathers of the local gradients, expected {expected}"
     if shared or (overlap and direction == "sketch"):
         # Carried, an fp32 bucket takes each step's rows to every rank, so the only gather of their own is
@@ -461,7 +466,8 @@ def _eight_rank_worker() -> None:
         _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=2)
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=3, overlap=True, exchange="carry")
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=1, steps=4, overlap=True, exchange="auto")
-        _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=3, overlap=True, exchange="auto")
+        # Step 0 checks the reduction and posts its header first: the rows must still have room for the gradients.
+        _run_scenario("exact", torch.float32, bucket_view=True, accum=2, steps=4, overlap=True, exchange="auto", reduction_every=2)
     finally:
         distributed.destroy_distributed()
 
