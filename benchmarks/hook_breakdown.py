@@ -140,7 +140,7 @@ def breakdown_worker(
                     totals.clear()
                     start = time.process_time()
                     arms[name].step(*batches[index % len(batches)])
-                    # The monitored arm is labelled "sketch" whatever its exchange (render's rows).
+                    # The monitored arm is labelled "monitored" whatever its mode and exchange (render's rows).
                     row["step, plain" if name == overhead.PLAIN else "step, monitored"] = (time.process_time() - start) * 1000
                     if name == mode:
                         row.update(totals)

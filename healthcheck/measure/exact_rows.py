@@ -89,18 +89,21 @@ def post_step(
     )
 
 
-def host_copy(kept: dict[int, Any], index: int, buffer: Any) -> Any:
-    """A copy of bucket ``index``'s local gradient, before the all-reduce replaces it. On the host into the buffer
-    kept from the bucket's last step: a fresh multi-MiB tensor a step cost the allocator page faults (glibc maps each
-    anew) that every rank paid. Elsewhere a clone, as before: an accelerator's memory is not held between steps.
+def host_copy(kept: dict[int, Any], index: int, buffer: Any, keep: bool = True) -> Any:
+    """A copy of bucket ``index``'s local gradient, before the all-reduce replaces it. On the host with ``keep``
+    (exact mode, which copies every step) into the buffer kept from the bucket's last step: a fresh multi-MiB tensor
+    a step cost the allocator page faults (glibc maps each anew) that every rank paid. Otherwise a clone, as before:
+    an accelerator's memory, and sketch mode's (a copy on reduction-check steps only), is not held between steps.
 
     >>> import torch
     >>> kept = {}
     >>> first = host_copy(kept, 0, torch.ones(3)); again = host_copy(kept, 0, torch.zeros(3))
     >>> again is first, again.tolist()
     (True, [0.0, 0.0, 0.0])
+    >>> host_copy(kept, 0, torch.ones(3), keep=False) is first
+    False
     """
-    if buffer.device.type != "cpu":
+    if not keep or buffer.device.type != "cpu":
         return buffer.clone()
     copy = kept.get(index)
     if copy is None or copy.shape != buffer.shape or copy.dtype != buffer.dtype:

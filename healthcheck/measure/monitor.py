@@ -31,7 +31,7 @@ for that pass, and adds two per-rank extras to the step: ``reduction_rel_error``
 
 Memory: sketch mode keeps no per-parameter state and no copy of the gradient (a 256 KB sign table whatever the
 model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a copy
-of the local gradient (a host's, kept between steps) plus N × ``exact_chunk_numel`` elements per gather (shared: below)
+of the local gradient (a host's kept between steps) plus N × ``exact_chunk_numel`` elements per gather, or the file.
 
 The same class takes an FSDP2 root (a module sharded with ``fully_shard``): it then returns a
 :class:`healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`, with the same arguments, ``end_step``
@@ -194,7 +194,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         by the world size on the way (sketch mode: :mod:`.host_pass`, :mod:`.sketch_kernel`)."""
         if self.direction == "exact" or self._checking_reduction():
             # The bucket becomes the averaged gradient, so the exact pass reads a copy of the local one.
-            self._local_copy[index] = exact_rows.host_copy(self._kept_copies, index, buffer)
+            self._local_copy[index] = exact_rows.host_copy(self._kept_copies, index, buffer, keep=self.direction == "exact")
         if self._sketcher is None:
             self._sqnorm[index] = sqnorm_fp32(buffer)
             return False
