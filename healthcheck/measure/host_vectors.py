@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Elements, across all ranks, upcast to float64 at a time for the Gram (as the host's chunked exact pass).
-GRAM_SLICE_NUMEL = 1 << 18
+from healthcheck.measure.exact_pass import GRAM_SLICE_NUMEL  # the host's slice ([1]), as exact mode's chunked pass
 
 
 def pack(header: list[float], sketch: Any) -> Any:
@@ -61,7 +60,7 @@ def fp32_gram(bits: Any, dim: int) -> Any:
     gram = np.zeros((world, world), dtype=np.float64)
     # Upcast column slices, not the whole block: an exact-mode row is a whole gradient (exact_rows.py), and a
     # slice stays in cache while its products add up. A sketch is one slice.
-    columns = max(1, GRAM_SLICE_NUMEL // world)
+    columns = max(1, GRAM_SLICE_NUMEL[1] // world)
     block = np.empty((world, min(columns, dim)), dtype=np.float64)
     for first in range(0, dim, columns):
         part = block[:, : min(columns, dim - first)]

@@ -139,25 +139,25 @@ class SharedRows:
         out = torch.empty((self.world, header), dtype=torch.float64)
         return Posted(self, self._posts, width, out, dim), out
 
-    def read(self, post: int, width: int, out: Any, dim: int = 0) -> Optional[Any]:
+    def read(self, post: int, width: int, out: Any, dim: int = 0) -> tuple[bool, Any]:
         """Copy post ``post``'s rows into ``out`` (its first ``out.shape[1]`` columns) if every rank has written them.
-        Returns None where not every rank has, else the float64 Gram of the ``dim``-long fp32 vectors that follow
-        those columns (see :meth:`post`), or True without them."""
+        Returns whether it did and, with ``dim``, the float64 Gram of the ``dim``-long fp32 vectors that follow those
+        columns (see :meth:`post`; else None)."""
         import torch
 
         rows = self._table[post % SLOTS]
         if not (rows[:, 1] == post).all():
             if (rows[:, 1] > post).any():
                 raise _overwritten(post, "before")
-            return None
+            return False, None
         fence()
         copied = out.shape[1]
         out.numpy()[:] = rows[:, 2 : 2 + copied]
-        gram = torch.from_numpy(host_vectors.fp32_gram(rows[:, 2 + copied : 2 + width], dim)) if dim else True
+        gram = torch.from_numpy(host_vectors.fp32_gram(rows[:, 2 + copied : 2 + width], dim)) if dim else None
         fence()
         if not (rows[:, 0] == post).all():
             raise _overwritten(post, "while")
-        return gram
+        return True, gram
 
     def claim(self, post: int) -> bool:
         """Whether this rank computes post ``post``'s metrics: of the ranks that ask, exactly one is told so."""
@@ -219,10 +219,7 @@ class Posted:
 
     def is_completed(self) -> bool:
         if not self._done:
-            read = self._rows.read(self.post, self._width, self._out, self._dim)
-            self._done = read is not None
-            if self._dim and read is not None:
-                self.gram = read
+            self._done, self.gram = self._rows.read(self.post, self._width, self._out, self._dim)
         return self._done
 
     def wait(self) -> None:

@@ -253,64 +253,41 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     return measured
 
 
-class _count_chunked_passes:
-    """Counts exact mode's chunked passes over the local gradients (each a series of all-gathers), until ``restore()``."""
+class _CallCounter:
+    """Counts the calls of ``owner.name`` (a module's function, looked up there at each call), until ``restore()``."""
 
-    def __init__(self) -> None:
-        from healthcheck.measure import monitor as monitor_module
-
-        self.count, self._module = 0, monitor_module
-        self._original = monitor_module.stream_local_gradients
+    def __init__(self, owner, name: str) -> None:
+        self.count, self._owner, self._name = 0, owner, name
+        self._original = getattr(owner, name)
 
         def counting(*args, **kwargs):
             self.count += 1
             return self._original(*args, **kwargs)
 
-        monitor_module.stream_local_gradients = counting
+        setattr(owner, name, counting)
 
     def restore(self) -> int:
-        self._module.stream_local_gradients = self._original
+        setattr(self._owner, self._name, self._original)
         return self.count
 
 
-class _count_step_gathers:
-    """Counts the all-gathers a monitor starts for its step rows, until ``restore()``."""
+def _count_chunked_passes() -> _CallCounter:
+    """Exact mode's chunked passes over the local gradients (each a series of all-gathers)."""
+    from healthcheck.measure import monitor as monitor_module
 
-    def __init__(self) -> None:
-        self.count = 0
-        self._original = distributed.all_gather_rows_async
-
-        def counting(tensor, group=None):
-            self.count += 1
-            return self._original(tensor, group)
-
-        distributed.all_gather_rows_async = counting
-
-    def restore(self) -> int:
-        distributed.all_gather_rows_async = self._original
-        return self.count
+    return _CallCounter(monitor_module, "stream_local_gradients")
 
 
-class _count_wrapped_all_reduces:
-    """Counts calls of ``torch.distributed.all_reduce``, until ``restore()``."""
+def _count_step_gathers() -> _CallCounter:
+    """The all-gathers a monitor starts for its step rows."""
+    return _CallCounter(distributed, "all_gather_rows_async")
 
-    def __init__(self) -> None:
-        import torch.distributed as dist
 
-        self.count = 0
-        self._original = dist.all_reduce
+def _count_wrapped_all_reduces() -> _CallCounter:
+    """Calls of ``torch.distributed.all_reduce``."""
+    import torch.distributed as dist
 
-        def counting(*args, **kwargs):
-            self.count += 1
-            return self._original(*args, **kwargs)
-
-        dist.all_reduce = counting
-
-    def restore(self) -> int:
-        import torch.distributed as dist
-
-        dist.all_reduce = self._original
-        return self.count
+    return _CallCounter(dist, "all_reduce")
 
 
 def _check_close_restores_average(ddp, reference_model, monitor, dtype) -> None:
