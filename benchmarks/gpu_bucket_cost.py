@@ -5,14 +5,16 @@ that thread host time, whatever the GPU does (README, Measured figures). This sc
 time, without a model:
 
 * **host µs per call** of each operation the hook issues for a bucket, on a small tensor so that the GPU keeps up
-  (the mean over ``--calls`` calls, no synchronisation inside): an output buffer, a sum, the kernel's launch through
-  Triton's JIT, the whole planned call (:class:`healthcheck.measure.sketch_kernel.DeviceBucket`), DDP's division,
-  the all-reduce and its ``then``, a slice's norm, and one ``_foreach_norm`` over a step's buckets;
+  (the mean over ``--calls`` calls, no synchronisation inside): the kernel's launch through Triton's JIT, the
+  monitor's planned call (its row of :class:`healthcheck.measure.bucket_plans.StepTable`, then the launch), the
+  unplanned call with a vector of its own (:class:`healthcheck.measure.sketch_kernel.DeviceBucket`), the table's
+  ``zero_`` once a step, DDP's division, the all-reduce and its ``then``, a slice's norm, and one ``_foreach_norm``
+  over a step's buckets;
 * **GPU µs per bucket** of the kernel (sketch, ‖x‖² and the division) for kernel settings ``BLOCK x warps x sign
   dtype``, against torch's ``div_`` (what DDP's own hook does to the bucket) and a copy, by CUDA events over
   ``--repeats`` calls, with the bandwidth each reaches counting the bucket read once and written once. Every
   setting's sketch is checked against the first setting's, and its division against ``div_``. The default kernel's
-  launch is also timed alone, with and without the division, and so is the sum over its output rows.
+  launch is also timed alone, with and without the division, and so is the table's ``zero_`` once a step.
 
     python benchmarks/gpu_bucket_cost.py                     # CUDA only: one NCCL rank
     python benchmarks/gpu_bucket_cost.py --numel 13107200 --settings 128x4xf32 256x8xf32
@@ -60,20 +62,26 @@ def host_table(args: argparse.Namespace) -> None:
     import triton
 
     from healthcheck.measure import distributed, sketch_kernel
+    from healthcheck.measure.bucket_plans import BucketPlans
 
     x = torch.randn(args.small, device="cuda").bfloat16()
     plan = sketch_kernel.DeviceBucket(x.numel(), x.dtype, x.device, k=4096, seed=0, bucket_id=0)
-    out = torch.empty((plan.grid[0], plan.p + plan.blocks), dtype=torch.float32, device="cuda")
+    out = torch.zeros(plan.width, dtype=torch.float32, device="cuda")
+    table = torch.zeros((args.buckets, plan.width), dtype=torch.float32, device="cuda")
+    plans = BucketPlans(4096, seed=0)
+    planned = plans.take(0, x)
     kernel = sketch_kernel._kernel()
-    launch_args = (x, plan.tau, plan.meta, plan.eps, out, 1.0, plan.p, plan.blocks)
+    launch_args = (x, plan.tau, plan.meta, plan.eps, out, 1.0, plan.p)
     launch_kw = dict(M=plan.lay.m, MP=triton.next_power_of_2(plan.lay.m), BLOCK=plan.block, DIVIDE=False, num_warps=plan.warps)
     group = dist.group.WORLD
     slices = [torch.randn(args.small // 8, device="cuda").bfloat16() for _ in range(args.buckets)]
     rows = [
-        ("torch.empty (the kernel's output)", lambda: torch.empty((plan.grid[0], plan.p + plan.blocks), device="cuda")),
-        ("out.sum(0)", lambda: out.sum(0)),
         ("the kernel's launch (Triton JIT)", lambda: kernel[plan.grid](*launch_args, **launch_kw)),
-        ("DeviceBucket.divide_square_sketch (all three)", lambda: plan.divide_square_sketch(x, 1)),
+        # The set discard keeps the row from counting as a second backward in one step (which zeroes it first).
+        ("the monitor's planned call (its table row, the launch)",
+         lambda: (plans._table._written.discard(0), planned.divide_square_sketch(x, 1))),
+        ("DeviceBucket.divide_square_sketch (a vector of its own, the launch)", lambda: plan.divide_square_sketch(x, 1)),
+        (f"the table's zero_ ({args.buckets} rows, once a step)", lambda: table.zero_()),
         ("x.div_(world) (DDP's hook)", lambda: x.div_(1)),
         ("all-reduce, direct (distributed.all_reduce_async)", lambda: distributed.all_reduce_async(x, group)),
         ("all-reduce + then(first_value)", lambda: distributed.all_reduce_async(x, group).then(distributed.first_value)),
@@ -104,7 +112,7 @@ def kernel_table(args: argparse.Namespace) -> None:
     for name, fn in (("div_(2) (DDP's division)", lambda: halved.div_(2)), ("y.copy_(x)", lambda: y.copy_(x))):
         us = gpu_us(fn, args.repeats)
         print(f"| {name} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
-    launch_alone(x, nbytes, args.repeats)
+    launch_alone(x, nbytes, args.repeats, getattr(args, "buckets", 42))
     defaults = (sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE)
     reference = None
     try:
@@ -128,24 +136,25 @@ def kernel_table(args: argparse.Namespace) -> None:
         sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE = defaults
 
 
-def launch_alone(x: Any, nbytes: int, repeats: int) -> None:
-    """The default kernel's launch on a fixed output buffer, with and without the division, and the sum over its
-    rows: the pieces of ``divide_square_sketch`` apart (back to back, a small op is bound by the launch rate)."""
+def launch_alone(x: Any, nbytes: int, repeats: int, buckets: int = 42) -> None:
+    """The default kernel's launch into a fixed vector, with and without the division, and the table's ``zero_`` once
+    a step: the pieces of the monitor's call apart (back to back, a small op is bound by the launch rate)."""
     import torch
 
     from healthcheck.measure import sketch_kernel
 
     plan = sketch_kernel.DeviceBucket(x.numel(), x.dtype, x.device, k=4096, seed=0, bucket_id=0)
-    out = torch.empty((plan.grid[0], plan.p + plan.blocks), dtype=torch.float32, device=x.device)
+    out = torch.zeros(plan.width, dtype=torch.float32, device=x.device)
+    table = torch.zeros((buckets, plan.width), dtype=torch.float32, device=x.device)
     work, kernel = x.clone(), sketch_kernel._kernel()
     for divide in (False, True):
         def launch(divide: bool = divide) -> None:
-            kernel[plan.grid](work, plan.tau, plan.meta, plan.eps, out, 2.0, plan.p, plan.blocks, M=plan.lay.m, MP=plan.mp,
+            kernel[plan.grid](work, plan.tau, plan.meta, plan.eps, out, 2.0, plan.p, M=plan.lay.m, MP=plan.mp,
                               BLOCK=plan.block, DIVIDE=divide, num_warps=plan.warps)
 
         us = gpu_us(launch, repeats)
         print(f"| the default kernel's launch alone, division {'on' if divide else 'off'} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
-    print(f"| the sum over its {plan.grid[0]} x {plan.p + plan.blocks} rows (out.sum(0)) | {gpu_us(lambda: out.sum(0), repeats):.1f} | |")
+    print(f"| the table's zero_ ({buckets} x {plan.width}, once a step) | {gpu_us(table.zero_, repeats):.1f} | |")
 
 
 def main(argv: list[str] | None = None) -> None:

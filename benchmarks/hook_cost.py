@@ -40,6 +40,7 @@ PIECES = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_reduce_bucket"),
     ("healthcheck.measure.sketch", "FoldedSketch", "with_sqnorm"),
     ("healthcheck.measure.sketch_kernel", "DeviceBucket", "divide_square_sketch"),
+    ("healthcheck.measure.sketch_kernel", "DeviceBucket", "add_into"),  # the launch: the monitor's call since its table
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce"),
     ("healthcheck.measure.reduced_norm", "DeferredSquares", "settle"),
     ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "end_step"),

@@ -10,7 +10,7 @@ the mean gradient (sketch mode reads it off the sketches too) with the exact one
 
 The sketch of width k uses p bins, the largest prime <= k that divides no tensor dimension of the
 model (``healthcheck.measure.sketch.safe_sketch_size``); its stated bound is std(Δcos) <= sqrt(2/p).
-The printed table is the README's "Sketch accuracy" table.
+The printed table is the "Sketch accuracy" table of docs/measurements.md (its figures of record: the README).
 """
 
 from __future__ import annotations

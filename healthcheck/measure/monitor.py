@@ -384,9 +384,9 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 
     def _clear_partials(self) -> None:
         super()._clear_partials()
-        self._squares.clear()
-        self._local_copy.clear()
-        self._reduced.clear()
+        for partials in (self._squares, self._local_copy, self._reduced):
+            partials.clear()
+        self._plans.new_step()  # after the pack, in stream order: the GPU kernels' table is zeroed for the next step
 
     def close(self) -> None:
         """Stop measuring; gradients are then averaged exactly as by DDP's default all-reduce.

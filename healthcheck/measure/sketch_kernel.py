@@ -5,21 +5,27 @@ the backward's own launches then wait behind. The torch executor of the sketch
 (:func:`healthcheck.measure.sketch._sketch_accelerator`), ``vector_norm`` and ``div_`` launched ~25 kernels a
 bucket and read it four times (the fold's signed product is written, then summed). On an H200 with a 0.95B Llama
 (one NCCL rank, micro-batch 4 x 1024) the sketch arm cost +32.2% of an 83 ms step that way, +18.5% with this
-kernel's first form, and +4.4% to +16.7% with this one, planned per bucket (README, "GPU, 2026-11-27"). Here a
-bucket costs an output buffer, this kernel and one sum (:class:`DeviceBucket`).
+kernel's first form, and +4.4% to +16.7% with its second, which wrote a ``[rows, p]`` buffer per bucket and summed
+it (docs/measurements.md, "GPU, 2026-11-27"). Now a planned bucket costs the launch alone: it adds into its row of a table that is
+zeroed once a step (:class:`~healthcheck.measure.bucket_plans.BucketPlans`).
 
 The kernel computes exactly :func:`healthcheck.measure.sketch.sketch_bucket`'s sketch. The plan's pieces are
-flattened into rows, one per segment, full or partial (:func:`.sketch_layout.row_table`). Each row is described by where its
-segment position 0 lies in the bucket, the positions ``[lo, hi)`` it holds, and its rotation ``r``, all in
+flattened into rows, one per segment, full or partial (:func:`.sketch_layout.row_table`). Each row is described by
+where its segment position 0 lies in the bucket, the positions ``[lo, hi)`` it holds, and its rotation ``r``, all in
 int64, plus its sign ``eps``. One program folds ``BLOCK`` bins of one row: ``acc[j] = sum_q tau[q*p + j] *
 x[base + q*p + j]``, all m blocks loaded as one ``[m, BLOCK]`` tile, with elements outside ``[lo, hi)`` read as
-zero. A partial segment is therefore a masked full
-one, as on the torch path. It writes ``eps * acc`` to bins ``(j + r) mod p`` of its own row of a ``[rows, p]``
-buffer, and the rows are summed afterwards. Each bin of a row is written once, so no atomics are needed and
-the result is the same on every run. The squares of the elements it reads go to one partial per program, in its
-row's tail (a row is ``p + NB`` floats), so the one sum over the rows gives the sketch and ‖x‖²'s pieces. With a
-divisor, it writes each element back divided (IEEE division, then round to nearest: the bits of ``div_``); every
-element belongs to one program, so nothing reads what another wrote.
+zero. A partial segment is therefore a masked full one, as on the torch path. It adds ``eps * acc`` to bins
+``(j + r) mod p`` of the output vector with relaxed fp32 atomics, and the squares of the elements it reads to one of
+the vector's ``NB`` tail slots (one per column of programs, so that no slot takes every program's add): a vector is
+``p + NB`` floats, the sketch and ‖x‖²'s pieces. With a divisor, it writes each element back divided (IEEE
+division, then round to nearest: the bits of ``div_``); every element belongs to one program, so nothing reads what
+another wrote.
+
+Atomics make the order of each bin's additions (one per segment row: ~200 for a 25 MiB bf16 bucket) vary from run to
+run, so the sketch varies in its last fp32 bits, ~1e-7 relative: far below the sketch's own error (~2%), and the
+replay audit, whose ranks must agree bit for bit, does not use this kernel. What it saves, measured on an H200
+(``benchmarks/gpu_bucket_cost.py``, 2026-11-27): the per-bucket output buffer and the sum over its rows, 6 and 12 µs
+of host time a bucket when idle, about three times that inside a step, and ~8 µs of GPU time a bucket.
 
 The row table is cached per (bucket size, layout, seed, bucket): 36 bytes per segment of m*p elements (65,488 for
 k = 4096), so ~0.55 KB per million parameters (39 MB at 70B), on the device. At most 4096 buckets' tables are kept.
@@ -62,7 +68,7 @@ def usable(x: Any) -> bool:
 
 
 def _fold_rows(  # noqa: ANN201, N803
-    x_ptr, tau_ptr, meta_ptr, eps_ptr, out_ptr, world, P, NB, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr  # noqa: ANN001
+    x_ptr, tau_ptr, meta_ptr, eps_ptr, out_ptr, world, P, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr  # noqa: ANN001
 ):
     row = tl.program_id(0)
     jb = tl.program_id(1)
@@ -81,8 +87,9 @@ def _fold_rows(  # noqa: ANN201, N803
     t = tl.load(tau_ptr + u, mask=ours, other=0).to(tl.float32)
     if DIVIDE:  # in place, IEEE division then round to nearest: the bits of torch's buffer.div_(world)
         tl.store(x_ptr + base + u, tl.math.div_rn(v, world).to(x_ptr.dtype.element_ty), mask=held)
-    tl.store(out_ptr + row * (P + NB) + (j + r) % P, tl.sum(v * t, axis=0) * eps, mask=inside)
-    tl.store(out_ptr + row * (P + NB) + P + jb, tl.sum(tl.sum(v * v, axis=1), axis=0))
+    # Relaxed: nothing reads the vector before the kernel ends, so the adds need no ordering among themselves.
+    tl.atomic_add(out_ptr + (j + r) % P, tl.sum(v * t, axis=0) * eps, mask=inside, sem="relaxed")
+    tl.atomic_add(out_ptr + P + jb, tl.sum(tl.sum(v * v, axis=1), axis=0), sem="relaxed")
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,8 +109,9 @@ class DeviceBucket:
     """Everything a bucket's kernel call needs besides the bucket, looked up once (a DDP bucket is sketched every
     sampled step, and on a GPU host the per-call Python is the cost: see the module docstring).
 
-    ``divide_square_sketch`` then costs three host operations: an output buffer, the kernel, and one sum over the
-    output's rows. The plan holds no view of the bucket, so a bucket DDP rebuilds is freed as before.
+    ``divide_square_sketch`` then costs one host operation, the kernel, where the caller hands it a zeroed vector to
+    add into (the monitor's table row, :class:`~healthcheck.measure.bucket_plans.BucketPlans`), and two otherwise.
+    The plan holds no view of the bucket, so a bucket DDP rebuilds is freed as before.
 
     Args:
         n: The bucket's element count.
@@ -122,25 +130,30 @@ class DeviceBucket:
         self.tau = sign_table(int(seed), self.lay.L, self.device).to(TAU_DTYPE)
         self.block, self.warps, self.mp = BLOCK, NUM_WARPS, triton.next_power_of_2(self.lay.m)
         self.p, self.blocks = self.lay.p, triton.cdiv(self.lay.p, self.block)
+        self.width = self.p + self.blocks  #: the output vector: the sketch, then ‖x‖²'s pieces
         self.grid = (self.meta.shape[0], self.blocks)
 
     def takes(self, x: Any) -> bool:
         """Whether ``x`` is a bucket this plan was made for (size, dtype, device, and a layout the kernel takes)."""
         return x.numel() == self.n and x.dtype == self.dtype and x.device == self.device and x.is_contiguous()
 
-    def divide_square_sketch(self, x: Any, divide_by: int = 1) -> tuple[Any, Any]:
-        """``(sketch, squares)`` of ``x`` as it was: the fp32 ``[p]`` sketch and ``[NB]`` fp32 partial sums of its
-        squares (they add up to ‖x‖²: a caller summing many buckets' adds them in one go), views of one vector;
-        then, with ``divide_by`` > 1, ``x /= divide_by`` in place."""
-        p = self.p
-        if self.n == 0:  # no rows: a launch over an empty grid is an error
-            return torch.zeros(p + 1, dtype=torch.float32, device=x.device).split((p, 1))
-        out = torch.empty((self.grid[0], p + self.blocks), dtype=torch.float32, device=x.device)
+    def add_into(self, x: Any, out: Any, divide_by: int = 1) -> None:
+        """Add ``x``'s sketch and ‖x‖²'s pieces, as it was, into ``out`` (fp32, ``width`` elements, on ``x``'s
+        device); then, with ``divide_by`` > 1, ``x /= divide_by`` in place. One launch."""
+        if self.n == 0:  # no rows: a launch over an empty grid is an error, and nothing is added
+            return
         _kernel()[self.grid](
-            x, self.tau, self.meta, self.eps, out, float(divide_by), p, self.blocks,
+            x, self.tau, self.meta, self.eps, out, float(divide_by), self.p,
             M=self.lay.m, MP=self.mp, BLOCK=self.block, DIVIDE=divide_by != 1, num_warps=self.warps,
         )
-        return out.sum(0).split((p, self.blocks))
+
+    def divide_square_sketch(self, x: Any, divide_by: int = 1) -> tuple[Any, Any]:
+        """``(sketch, squares)`` of ``x`` as it was: the fp32 ``[p]`` sketch and ``[NB]`` fp32 partial sums of its
+        squares (they add up to ‖x‖²: a caller summing many buckets' adds them in one go), views of one new vector;
+        then, with ``divide_by`` > 1, ``x /= divide_by`` in place."""
+        out = torch.zeros(self.width, dtype=torch.float32, device=x.device)
+        self.add_into(x, out, divide_by)
+        return out.split((self.p, self.blocks))
 
 
 @functools.lru_cache(maxsize=4096)

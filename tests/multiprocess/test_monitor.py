@@ -17,7 +17,10 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.measure.reduced_norm import DeferredSquares
 from healthcheck.run import launcher
 
+REPO = Path(__file__).resolve().parents[2]
 SKETCH_DIM = 4096
 # Four standard deviations of the sketch cosine error bound sqrt(2/k) stated in monitor.py.
 SKETCH_COS_TOL = 4 * math.sqrt(2 / SKETCH_DIM)
@@ -378,6 +382,35 @@ def _check_squares_after_ddp_finalize() -> None:
         DeferredSquares.takes, DeferredSquares.settle = takes, settle  # type: ignore[method-assign]
 
 
+def _interpreted_kernel_worker() -> None:
+    """The GPU's path on host buckets: each bucket's Triton kernel (run by Triton's interpreter, which
+    ``TRITON_INTERPRET=1`` must switch on before Triton is first imported) adds into its row of BucketPlans' table,
+    which end_step zeroes after the pack. The metrics must match the reference step after step, through DDP's
+    rebuild, and each bucket must be one kernel launch a sampled step, none of them failed over to the torch sketch."""
+    from healthcheck.measure import sketch, sketch_kernel
+    from healthcheck.measure.bucket_plans import StepTable
+
+    distributed.set_worker_threads(4)
+    distributed.init_distributed("cpu", "gloo", 120)
+    sketch._kernel_for = lambda x: sketch_kernel if x.dtype in (torch.float32, torch.bfloat16) else None  # as on CUDA
+    launches = _CallCounter(sketch_kernel.DeviceBucket, "add_into")
+    row = StepTable.row
+
+    def first_in_its_step(self, index, **kwargs):  # a row zeroed on its own is a launch a bucket: new_step zeroes them
+        assert index not in self._written, f"bucket {index}'s row was not zeroed with the table since its last step"
+        return row(self, index, **kwargs)
+
+    StepTable.row = first_in_its_step  # type: ignore[method-assign]
+    try:
+        for overlap in (False, True):
+            measured = _run_scenario("sketch", torch.float32, bucket_view=overlap, accum=2, steps=4, overlap=overlap, exchange="auto")
+            assert launches.count == sum(m.buckets for m in measured), (launches.count, [m.buckets for m in measured])
+            launches.count = 0
+        assert not sketch._KERNEL_OFF, sketch._KERNEL_OFF
+    finally:
+        distributed.destroy_distributed()
+
+
 def _check_bad_arguments() -> None:
     ddp, _ = _make_ddp(torch.float32, False)
     for field, value in (("direction", "dense"), ("sketch_dim", 0), ("every", 0), ("exact_chunk_numel", -1), ("exchange", "push")):
@@ -457,6 +490,16 @@ def test_rejects_a_model_that_is_not_ddp():
 @pytest.mark.multiprocess
 def test_monitor_matches_reference_on_four_ranks():
     launcher.launch_local(_four_rank_worker, 4, run_id="test-monitor-4")
+
+
+@pytest.mark.multiprocess
+def test_the_gpu_kernels_table_matches_reference_in_triton_interpreter():
+    pytest.importorskip("triton")  # a test dependency ([test] extra)
+    launch = "from healthcheck.run import launcher; from tests.multiprocess import test_monitor as t; " \
+             "launcher.launch_local(t._interpreted_kernel_worker, 4, run_id='test-monitor-kernel')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", launch], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.multiprocess

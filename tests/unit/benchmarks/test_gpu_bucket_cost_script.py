@@ -1,5 +1,6 @@
-"""Smoke test of ``benchmarks/gpu_bucket_cost.py``'s kernel rows without a GPU: Triton's interpreter runs the kernel
-on host tensors, and the CUDA-event timer is replaced by one call (the numbers are the GPU's to give).
+"""Smoke test of ``benchmarks/gpu_bucket_cost.py``'s two tables without a GPU: Triton's interpreter runs the kernel
+on host tensors, the CUDA-event timer is replaced by one call (the numbers are the GPU's to give), and the host
+table's all-reduces go over a 1-rank gloo group.
 
     python -m pytest tests/unit/benchmarks/test_gpu_bucket_cost_script.py -q
 """
@@ -23,9 +24,20 @@ SCRIPT = textwrap.dedent(
     cost.gpu_us = lambda fn, repeats: (fn(), 1.0)[1]
     args = argparse.Namespace(numel=70_000, repeats=1, settings=["128x4xf32", "64x2xi8"])
     torch.cuda.synchronize = lambda: None  # nothing to wait for on the host
-    real_randn = torch.randn
+    real_randn, real_zeros = torch.randn, torch.zeros
     torch.randn = lambda *a, device=None, **k: real_randn(*a, **k)
+    torch.zeros = lambda *a, device=None, **k: real_zeros(*a, **k)
     cost.kernel_table(args)
+    # The host table: every row's call, the monitor's planned one among them, on a 1-rank gloo group.
+    import socket, torch.distributed as dist
+    from healthcheck.measure import sketch, sketch_kernel
+    sketch._kernel_for = lambda x: sketch_kernel  # as for a CUDA bucket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=0, world_size=1)
+    cost.host_table(argparse.Namespace(small=65_536, buckets=42, calls=1))
+    dist.destroy_process_group()
     """
 )
 
@@ -39,7 +51,11 @@ def test_the_kernel_rows_run_in_the_interpreter():
     alone = [line for line in lines if "launch alone" in line]
     assert [line.split("|")[1].strip() for line in alone] == [
         "the default kernel's launch alone, division off", "the default kernel's launch alone, division on"]
-    assert any(line.startswith("| the sum over its ") for line in lines)
+    assert any(line.startswith("| the table's zero_ (42 x ") for line in lines)
+    hosted = [line.split("|")[1].strip() for line in lines[lines.index("|---|---:|") + 1:]]
+    assert len(hosted) == 10 and hosted[:4] == [
+        "the kernel's launch (Triton JIT)", "the monitor's planned call (its table row, the launch)",
+        "DeviceBucket.divide_square_sketch (a vector of its own, the launch)", "the table's zero_ (42 rows, once a step)"]
     # Both settings' sketches agree with the first's, and the division is div_'s (the interpreter truncates bf16, so
     # only the sketch's agreement is asserted here; the CUDA test checks the bits).
     settings = [line for line in lines if line.startswith("| kernel ")]

@@ -62,6 +62,34 @@ INTERPRETED = textwrap.dedent(
     got, sqnorm = folded.with_sqnorm(4, x, divide_by=4)
     assert float((got - folded(4, before)).abs().max()) <= 1e-6 * float(got.norm()) and torch.equal(x, before / 4)
     assert abs(float(sqnorm) - float(before.double().square().sum())) <= 1e-5 * float(sqnorm)
+
+    # The monitor's planned path: each bucket adds into its row of one table, zeroed once a step. A bucket index past
+    # the table grows it (the step's earlier views stay valid), a bucket run twice in a step counts its last run, and
+    # a new step starts from zero.
+    from healthcheck.measure.bucket_plans import BucketPlans
+
+    plans = BucketPlans(1021, seed=3)
+
+    def bucket(seed, n):
+        return torch.randn(n, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+    for step in range(2):
+        if step == 1:  # a first backward whose bucket 0 the step's second backward replaces
+            first = bucket(99, 90_001)
+            plans.take(0, first).divide_square_sketch(first, 2)
+        results = {}
+        for index in (0, 1, 9):  # 9: past the table's first 8 rows
+            x = bucket(10 * step + index, 90_001)
+            before = x.clone()
+            planned = plans.take(index, x)
+            assert planned is not None and planned.takes(x)
+            results[index] = (before, *planned.divide_square_sketch(x, 2))
+        for index, (before, got, squares) in results.items():
+            want = sketch_bucket(before, k=1021, seed=3, bucket_id=index)
+            assert float((got - want).abs().max()) <= 1e-6 * float(want.norm()), (step, index)
+            assert abs(float(squares.sum()) - float(before.double().square().sum())) <= 1e-5 * float(squares.sum())
+        plans.new_step()
+    assert all(float(got.abs().sum()) + float(squares.abs().sum()) == 0.0 for _, got, squares in results.values())
     print("ok")
     """
 )
