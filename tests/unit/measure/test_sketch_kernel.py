@@ -197,3 +197,47 @@ def test_a_planned_cuda_bucket_is_the_host_sketch_and_its_plan_is_kept():
     assert squares.dim() == 1 and float(squares.sum()) == pytest.approx(float(host.double().square().sum()), rel=1e-5)
     assert torch.equal(on_gpu, host.cuda().div_(8))
     assert plans.take(4, on_gpu) is planned and plans.take(4, on_gpu.float()) is not planned  # a new dtype, a new plan
+
+
+def test_a_planned_bucket_costs_the_launch_alone_and_a_step_one_zero(monkeypatch):
+    # What the table is for: on a GPU each torch op the hook issues is host time on the autograd thread. Counted
+    # here with the kernel's launch stubbed (any device: the ops are the same), by torch's dispatcher.
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from healthcheck.measure import sketch_kernel
+    from healthcheck.measure.bucket_plans import BucketPlans
+
+    launched = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(grid)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(sketch, "_KERNEL_OFF", [])
+    monkeypatch.setattr(sketch, "_kernel_for", lambda x: sketch_kernel)  # as for a CUDA bucket
+    monkeypatch.setattr(sketch_kernel, "_kernel", lambda: Stub())
+    buckets = [torch.randn(70_000 + i) for i in range(3)]
+    plans = BucketPlans(1021, seed=3)
+    for step in range(3):
+        with Ops() as ops:
+            planned = [plans.take(i, x) for i, x in enumerate(buckets)]  # made at step 0, with the table and its views
+        assert step == 0 or ops.names == [], ops.names
+        with Ops() as ops:
+            for i, x in enumerate(buckets):
+                planned[i].divide_square_sketch(x, 8)
+        # From the second step on: no output buffer, no sum, only the launch, which issues no torch op.
+        assert step == 0 or ops.names == [], ops.names
+        with Ops() as ops:
+            plans.new_step()
+        assert [name.split(".")[0] for name in ops.names] == ["zero_"], ops.names
+    assert len(launched) == 9
