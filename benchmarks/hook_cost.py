@@ -8,7 +8,9 @@ runs ``--warmup`` untimed then ``--steps`` timed optimizer steps (forward, backw
 the device is synchronised around each step. The arms: ``plain`` (DDP's built-in all-reduce), ``hook-only`` (the
 monitor's comm hook closed at once, so it only averages: a Python comm hook's own cost), ``sketch`` (on CUDA
 with Triton, the fused kernel of :mod:`healthcheck.measure.sketch_kernel`), ``sketch-torch`` (the same with
-``HEALTHCHECK_SKETCH_KERNEL=torch``) and ``exact``. Prints per arm the median and mean step time, the hook's cost
+``HEALTHCHECK_SKETCH_KERNEL=torch``), ``exact``, and ``grads-once`` (no comm hook at all: DDP's own all-reduce, and
+an autograd callback that sketches every local gradient in one launch before DDP's finalize, ``grad_sketch.py``:
+a design probe, not the monitor; it has no exchange). Prints per arm the median and mean step time, the hook's cost
 as a fraction of the plain step, and the peak memory (``torch.cuda.max_memory_allocated``, counted from what was
 allocated when the arm began: the most a timed step starts with plus the most one adds within it; CPU: not
 measured). ``--pieces`` adds the wall time a timed step spends inside the
@@ -29,11 +31,13 @@ import statistics
 import time
 from typing import Any
 
-ARMS = ("plain", "hook-only", "sketch", "sketch-torch", "exact")
+ARMS = ("plain", "hook-only", "sketch", "sketch-torch", "exact", "grads-once")
 #: ``sketch-torch``: sketch mode with the fused kernel switched off (healthcheck.measure.sketch_kernel), to price it.
 KERNEL_OFF = {"sketch-torch": "torch"}
 #: ``hook-only``: the monitor's comm hook closed at once, so it only averages, as DDP's built-in all-reduce does:
 #: what a Python comm hook costs by itself.
+#: ``grads-once``: no comm hook and no monitor: DDP's own all-reduce, and every local gradient sketched in one launch
+#: by an autograd callback before DDP's finalize, ‖ḡ‖² after it (``grad_sketch.py``, the design a 1% target needs).
 #: ``--pieces``: wall time a step spends inside these (module, class, method), printed per monitored arm.
 #: A piece the code under test lacks (an older checkout, ``PYTHONPATH``) is left out.
 PIECES = (
@@ -44,6 +48,8 @@ PIECES = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce"),
     ("healthcheck.measure.reduced_norm", "DeferredSquares", "settle"),
     ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "end_step"),
+    ("grad_sketch", "LocalGradients", "_sketch_local"),
+    ("grad_sketch", "LocalGradients", "_mean_norm"),
 )
 
 
@@ -99,9 +105,18 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
 
     os.environ[KERNEL_SWITCH] = KERNEL_OFF.get(arm, "triton")
     direction = "sketch" if arm == "hook-only" else arm.split("-")[0]
-    monitor = None if arm == "plain" else WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=args.sketch_dim, every=args.every)
+    monitor = None if arm in ("plain", "grads-once") else WorkerConsistencyMonitor(
+        ddp, direction=direction, sketch_dim=args.sketch_dim, every=args.every)
     if arm == "hook-only":
         monitor.close()
+    local = None
+    if arm == "grads-once":
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # grad_sketch.py, beside this script
+        from grad_sketch import LocalGradients
+
+        local = LocalGradients(ddp, k=args.sketch_dim)
     pieces, undo = timed_pieces() if args.pieces and arm != "plain" else ({}, None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(1)
@@ -130,6 +145,8 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = ddp(input_ids=ids, labels=ids).loss
+        if local is not None:
+            local.arm(loss)
         loss.backward()
         if monitor is not None and arm != "hook-only":
             monitor.end_step(loss.detach(), tokens=ids.numel())
@@ -161,10 +178,13 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
     if monitor is not None:
         monitor.flush()
         monitor.close()
+    if local is not None and local.sketch.kernel:
+        print(f"arm grads-once: the gradients' address table was copied {local.sketch.address_changes} times in "
+              f"{args.warmup + args.steps} steps")
     # Over what was allocated before the arm began (an earlier arm's leftovers are not this arm's): what a timed step
     # starts with (model, gradients, optimizer state, the monitor's own state) plus the most a timed step adds to it.
     peak = (resident + in_step) / 2**30 if device.type == "cuda" else float("nan")
-    del ddp, model, optimizer, monitor
+    del ddp, model, optimizer, monitor, local
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
