@@ -112,7 +112,7 @@ def kernel_table(args: argparse.Namespace) -> None:
     for name, fn in (("div_(2) (DDP's division)", lambda: halved.div_(2)), ("y.copy_(x)", lambda: y.copy_(x))):
         us = gpu_us(fn, args.repeats)
         print(f"| {name} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
-    launch_alone(x, nbytes, args.repeats, getattr(args, "buckets", 42))
+    launch_alone(x, nbytes, args.repeats, args.buckets)
     defaults = (sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE)
     reference = None
     try:
@@ -136,7 +136,7 @@ def kernel_table(args: argparse.Namespace) -> None:
         sketch_kernel.BLOCK, sketch_kernel.NUM_WARPS, sketch_kernel.TAU_DTYPE = defaults
 
 
-def launch_alone(x: Any, nbytes: int, repeats: int, buckets: int = 42) -> None:
+def launch_alone(x: Any, nbytes: int, repeats: int, buckets: int) -> None:
     """The default kernel's launch into a fixed vector, with and without the division, and the table's ``zero_`` once
     a step: the pieces of the monitor's call apart (back to back, a small op is bound by the launch rate)."""
     import torch

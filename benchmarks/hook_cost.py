@@ -113,7 +113,9 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
     if arm == "grads-once":
         import sys
 
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # grad_sketch.py, beside this script
+        here = os.path.dirname(os.path.abspath(__file__))  # grad_sketch.py, beside this script
+        if here not in sys.path:  # once, not once per round
+            sys.path.insert(0, here)
         from grad_sketch import LocalGradients
 
         local = LocalGradients(ddp, k=args.sketch_dim)

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     spec = importlib.util.spec_from_file_location("gpu_bucket_cost", {str(BENCHMARKS / "gpu_bucket_cost.py")!r})
     cost = importlib.util.module_from_spec(spec); spec.loader.exec_module(cost)
     cost.gpu_us = lambda fn, repeats: (fn(), 1.0)[1]
-    args = argparse.Namespace(numel=70_000, repeats=1, settings=["128x4xf32", "64x2xi8"])
+    args = argparse.Namespace(numel=70_000, repeats=1, buckets=42, settings=["128x4xf32", "64x2xi8"])
     torch.cuda.synchronize = lambda: None  # nothing to wait for on the host
     real_randn, real_zeros = torch.randn, torch.zeros
     torch.randn = lambda *a, device=None, **k: real_randn(*a, **k)
