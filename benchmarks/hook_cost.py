@@ -6,11 +6,11 @@ cost the monitor adds is there: the comm hook's norms and sketch (or exact mode'
 and gather), the per-step gather and its host sync. Each arm builds its own DDP model from the same weights and
 runs ``--warmup`` untimed then ``--steps`` timed optimizer steps (forward, backward, ``end_step``, AdamW step);
 the device is synchronised around each step. The arms: ``plain`` (DDP's built-in all-reduce), ``hook-only`` (the
-monitor's comm hook closed at once, so it only averages: a Python comm hook's own cost), ``sketch`` (on CUDA
-with Triton, the fused kernel of :mod:`healthcheck.measure.sketch_kernel`), ``sketch-torch`` (the same with
-``HEALTHCHECK_SKETCH_KERNEL=torch``), ``exact``, and ``grads-once`` (no comm hook at all: DDP's own all-reduce, and
-an autograd callback that sketches every local gradient in one launch before DDP's finalize, ``grad_sketch.py``:
-a design probe, not the monitor; it has no exchange). Prints per arm the median and mean step time, the hook's cost
+monitor's comm hook closed at once, so it only averages: a Python comm hook's own cost), ``sketch`` (the monitor's
+default: on CUDA with Triton no comm hook, the local gradients read from ``.grad`` in one launch before DDP's
+finalize, :mod:`healthcheck.measure.local_grads`), ``sketch-buckets`` (``local_from="buckets"``: the comm hook and
+its kernel per bucket, :mod:`healthcheck.measure.sketch_kernel`), ``sketch-torch`` (the comm hook with
+``HEALTHCHECK_SKETCH_KERNEL=torch``) and ``exact``. Prints per arm the median and mean step time, the hook's cost
 as a fraction of the plain step, and the peak memory (``torch.cuda.max_memory_allocated``, counted from what was
 allocated when the arm began: the most a timed step starts with plus the most one adds within it; CPU: not
 measured). ``--pieces`` adds the wall time a timed step spends inside the
@@ -31,13 +31,13 @@ import statistics
 import time
 from typing import Any
 
-ARMS = ("plain", "hook-only", "sketch", "sketch-torch", "exact", "grads-once")
+ARMS = ("plain", "hook-only", "sketch", "sketch-buckets", "sketch-torch", "exact")
 #: ``sketch-torch``: sketch mode with the fused kernel switched off (healthcheck.measure.sketch_kernel), to price it.
 KERNEL_OFF = {"sketch-torch": "torch"}
 #: ``hook-only``: the monitor's comm hook closed at once, so it only averages, as DDP's built-in all-reduce does:
 #: what a Python comm hook costs by itself.
-#: ``grads-once``: no comm hook and no monitor: DDP's own all-reduce, and every local gradient sketched in one launch
-#: by an autograd callback before DDP's finalize, ‖ḡ‖² after it (``grad_sketch.py``, the design a 1% target needs).
+#: ``local_from`` per arm: hook-only must keep the comm hook it prices; sketch-buckets prices the per-bucket path.
+LOCAL_FROM = {"hook-only": "buckets", "sketch-buckets": "buckets"}
 #: ``--pieces``: wall time a step spends inside these (module, class, method), printed per monitored arm.
 #: A piece the code under test lacks (an older checkout, ``PYTHONPATH``) is left out.
 PIECES = (
@@ -48,8 +48,12 @@ PIECES = (
     ("healthcheck.measure.monitor", "WorkerConsistencyMonitor", "_after_reduce"),
     ("healthcheck.measure.reduced_norm", "DeferredSquares", "settle"),
     ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "end_step"),
-    ("grad_sketch", "LocalGradients", "_sketch_local"),
-    ("grad_sketch", "LocalGradients", "_mean_norm"),
+    # Inside end_step (module functions: owner ""): the pack, the gather's launch, the previous step's metrics.
+    ("healthcheck.measure.step_gather", "", "pack"),
+    ("healthcheck.measure.step_gather", "", "launch"),
+    ("healthcheck.measure.monitor_core", "ConsistencyMonitor", "_finish"),
+    ("healthcheck.measure.local_grads", "LocalGradientPass", "_local"),
+    ("healthcheck.measure.local_grads", "LocalGradientPass", "_mean"),
 )
 
 
@@ -61,12 +65,13 @@ def timed_pieces() -> tuple[dict[str, float], Any]:
     undo = []
     for module, owner, name in PIECES:
         try:
-            cls = getattr(importlib.import_module(module), owner)
+            cls = importlib.import_module(module)
+            cls = getattr(cls, owner) if owner else cls
         except (ImportError, AttributeError):
             continue
         original = cls.__dict__[name]
 
-        def wrapped(*a: Any, _f: Any = original, _k: str = f"{owner}.{name}", **kw: Any) -> Any:
+        def wrapped(*a: Any, _f: Any = original, _k: str = f"{owner or module.rsplit('.', 1)[-1]}.{name}", **kw: Any) -> Any:
             start = time.perf_counter()
             try:
                 return _f(*a, **kw)
@@ -105,20 +110,12 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
 
     os.environ[KERNEL_SWITCH] = KERNEL_OFF.get(arm, "triton")
     direction = "sketch" if arm == "hook-only" else arm.split("-")[0]
-    monitor = None if arm in ("plain", "grads-once") else WorkerConsistencyMonitor(
-        ddp, direction=direction, sketch_dim=args.sketch_dim, every=args.every)
+    local_from = LOCAL_FROM.get(arm, args.local_from if arm == "sketch" else "auto")
+    monitor = None if arm == "plain" else WorkerConsistencyMonitor(
+        ddp, direction=direction, sketch_dim=args.sketch_dim, every=args.every, local_from=local_from)
     if arm == "hook-only":
         monitor.close()
-    local = None
-    if arm == "grads-once":
-        import sys
-
-        here = os.path.dirname(os.path.abspath(__file__))  # grad_sketch.py, beside this script
-        if here not in sys.path:  # once, not once per round
-            sys.path.insert(0, here)
-        from grad_sketch import LocalGradients
-
-        local = LocalGradients(ddp, k=args.sketch_dim)
+    local = getattr(monitor, "_local_pass", None)  # sketch mode read from .grad (local_grads.py): no comm hook
     pieces, undo = timed_pieces() if args.pieces and arm != "plain" else ({}, None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(1)
@@ -147,8 +144,6 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = ddp(input_ids=ids, labels=ids).loss
-        if local is not None:
-            local.arm(loss)
         loss.backward()
         if monitor is not None and arm != "hook-only":
             monitor.end_step(loss.detach(), tokens=ids.numel())
@@ -180,8 +175,8 @@ def run_arm(arm: str, base_state: dict, args: argparse.Namespace, device: Any) -
     if monitor is not None:
         monitor.flush()
         monitor.close()
-    if local is not None and local.sketch.kernel:
-        print(f"arm grads-once: the gradients' address table was copied {local.sketch.address_changes} times in "
+    if local is not None and hasattr(local._table, "address_changes"):
+        print(f"arm {arm}: the gradients' addresses were copied {local._table.address_changes} times in "
               f"{args.warmup + args.steps} steps")
     # Over what was allocated before the arm began (an earlier arm's leftovers are not this arm's): what a timed step
     # starts with (model, gradients, optimizer state, the monitor's own state) plus the most a timed step adds to it.
@@ -232,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         "--profile", type=int, default=0, metavar="ROWS",
         help="print torch.profiler's top ROWS ops of each arm's timed steps (timed with the profiler on)"
     )
+    parser.add_argument("--local-from", choices=("auto", "grads", "buckets"), default="auto",
+                        help="the sketch arm's local_from (WorkerConsistencyMonitor); grads runs on the host too")
     parser.add_argument("--pieces", action="store_true", help="print the wall time a timed step spends in the monitor's pieces")
     parser.add_argument("--trace", default="", metavar="PREFIX", help="with --profile: write each arm's chrome trace to PREFIX-ARM.json")
     args = parser.parse_args(argv)

@@ -5,13 +5,14 @@ bucket, before the all-reduce, the hook still sees this rank's own (undivided, a
 ``no_sync`` micro-steps) gradient, so it records on the device, without a host sync:
 
 * the fp32 squared norm ‖g_i‖² of the bucket;
-* in ``direction="sketch"`` a count sketch of the bucket (k floats); in ``"exact"`` a copy of it
-  (on the host, sketch mode reads the bucket once for the sketch, ‖g_i‖² and the division: :mod:`.host_pass`);
+* in ``direction="sketch"`` a folded count sketch of the bucket (k floats), read with ‖g_i‖² and the division
+  in one pass (:mod:`.host_pass`, :mod:`.sketch_kernel`); in ``"exact"`` a copy of it;
 * then it divides the bucket by the world size in place and all-reduces it, as DDP's own hook does, and
   after the all-reduce, in a ``.then()`` callback, takes this rank's 1/N slice of ‖ḡ‖² off the reduced mean.
 
-The cosine to the mean is read off the sketches in sketch mode (as under FSDP2; std <= sqrt(2/p) like the pairwise
-cosines) and off the Gram in exact mode; the norms, ‖ḡ‖² and the losses are exact in both.
+On CUDA, sketch mode has no comm hook where it can (``local_from``): it reads ``.grad`` once a step, before DDP's
+finalize (:mod:`.local_grads`). The cosine to the mean is read off the sketches in sketch mode (as under FSDP2) and
+off the Gram in exact mode; the norms, ‖ḡ‖² and the losses are exact in both.
 
 ``end_step`` then packs everything into one vector per rank and does ONE ``all_gather_rows`` per sampled
 step (exact mode adds the chunked gather of the local gradients for the N×N Gram in float64). With every rank
@@ -22,27 +23,21 @@ holds 2 × N × P fp32 values, P <= ``exact_chunk_numel`` parameters). With ``ex
 whose SUM all-reduce hands every rank all the rows (:meth:`WorkerConsistencyMonitor._carry`; the last step's goes
 in ``flush``). The rows become Python floats once, for :func:`healthcheck.measure.metrics.compute_step_metrics`.
 
-The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (its module states the error bound:
-std of |Δcos| <= sqrt(2/p), p the sketch's prime width, e.g. 4093 for sketch_dim 4096); the exact
-Gram and the reduction check are one chunked pass,
-:func:`healthcheck.measure.exact_pass.stream_local_gradients`. With ``reduction_every=k`` (a
-multiple of ``every``) every k-th step also keeps each bucket's local gradient and its all-reduced result
-for that pass, and adds two per-rank extras to the step: ``reduction_rel_error`` and ``reduction_bound_ratio``.
+The sketch is :class:`healthcheck.measure.sketch.FoldedSketch` (std of |Δcos| <= sqrt(2/p), p its prime width, e.g.
+4093 for sketch_dim 4096); the exact Gram and the reduction check are one chunked pass,
+:func:`healthcheck.measure.exact_pass.stream_local_gradients`. With ``reduction_every=k`` (a multiple of ``every``)
+every k-th step also keeps each bucket's local gradient and its all-reduced result for that pass, and adds two
+per-rank extras to the step: ``reduction_rel_error`` and ``reduction_bound_ratio``.
 
 Memory: sketch mode keeps no per-parameter state and no copy of the gradient (a 256 KB sign table whatever the
 model; with ``exchange="carry"``, the last bucket and the carried block in one more buffer). Exact mode holds a copy
 of the local gradient (a host's kept between steps) plus N × ``exact_chunk_numel`` elements per gather, or the file.
 
-The same class takes an FSDP2 root (a module sharded with ``fully_shard``): it then returns a
-:class:`healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`, with the same arguments, ``end_step``
-contract and :class:`~healthcheck.measure.metrics.StepMetrics`.
+Given an FSDP2 root (``fully_shard``) the class returns a :class:`~.fsdp_monitor.FSDPConsistencyMonitor`: the same
+arguments (but ``local_from``), ``end_step`` contract and :class:`~healthcheck.measure.metrics.StepMetrics`.
 
-Usage (every rank runs the same code)::
-
-    monitor = WorkerConsistencyMonitor(ddp_model, direction="sketch", sketch_dim=4096)
-    loss.backward()
-    metrics = monitor.end_step(loss, tokens=n_response_tokens)  # collective, before optimizer.step()
-    monitor.close()
+Usage (every rank runs the same code): ``monitor = WorkerConsistencyMonitor(ddp_model)``, then after each backward
+``metrics = monitor.end_step(loss, tokens=n_response_tokens)`` (a collective, before ``optimizer.step()``).
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ import functools
 import time
 from typing import Any
 
-from healthcheck.measure import distributed, exact_rows, host_pass, runqueue, step_gather
+from healthcheck.measure import distributed, exact_rows, host_pass, local_grads, runqueue, step_gather
 from healthcheck.measure.bucket_plans import BucketPlans
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
@@ -88,6 +83,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             else as "gather"), "gather" (an all-gather of their own; exact mode's chunked gather) or "carry"
             (sketch mode with ``overlap``: inside the next step's last gradient all-reduce; a rank that fails
             before it takes the step's numbers with it; see :meth:`_carry`).
+        local_from: DDP's sketch mode reads the local gradient from "buckets" (the comm hook) or "grads" (``.grad``
+            once a step, no comm hook: :mod:`.local_grads`); "auto": "grads" on CUDA where it can run, else "buckets".
         **fsdp_options: FSDP2 only (:class:`~healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`).
 
     Raises:
@@ -117,6 +114,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         process_group: Any = None,
         overlap: bool = True,
         exchange: str = "auto",
+        local_from: str = "auto",
     ):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -151,7 +149,11 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._plans = BucketPlans(self._sketcher.dim if self._sketcher else sketch_dim, seed)  # the one-pass sketch
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
-        model.register_comm_hook(state=self, hook=_consistency_hook)
+        # Sketch mode on a GPU: DDP keeps its C++ all-reduce and the monitor reads .grad once a step (local_grads.py).
+        grads = local_grads.choose(model, local_from, direction=direction, reduction_every=reduction_every, exchange=exchange)
+        self._local_pass = local_grads.LocalGradientPass(self, model, k=self._plans.k, seed=seed) if grads else None
+        if self._local_pass is None:
+            model.register_comm_hook(state=self, hook=_consistency_hook)
         self._model: Any = model  # None once closed
         # DDP's forward broadcasts the buffers from rank 0, a wait inside the step (wait_clock.py); private: may be absent.
         if callable(getattr(model, "_sync_buffers", None)):
@@ -216,9 +218,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         log, save). A rank that is slow there would then start its next step late with its own clock reset,
         and the rank that waited for it in the next forward would be named the straggler instead.
 
-        DDP's finalize waits for every bucket's all-reduce (on a host, a moment every rank shares), and
-        :func:`~healthcheck.measure.reduced_norm.after_ddp_finalize` marks the release after it. Host only: on a GPU
-        that finalize waits on streams, not for the other ranks.
+        DDP's finalize waits for every bucket's all-reduce (on a host, a moment every rank shares): the release is
+        marked after it (:func:`~healthcheck.measure.reduced_norm.after_ddp_finalize`). Host only: a GPU's waits on streams.
         """
         try:
             after_ddp_finalize(self._mark_release)
@@ -244,9 +245,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         asynchronous gather was. A bucket that is not fp32/fp64 cannot hold the rows exactly: the row then goes
         in an all-gather of its own, started here, at the same point on every rank.
 
-        Not the default: on the issue-13 harness it saved at most ~2% of a step against the gather (README, Measured
-        figures), and a rank that fails before the next step's last all-reduce takes the step's numbers with it, where
-        an all-gather started at ``end_step`` still completes (README, Reliability).
+        Not the default: it saved at most ~2% of a harness step against the gather, and a rank that fails before the
+        next step's last all-reduce takes the step's numbers with it (README, Measured figures and Reliability).
         """
         import torch
 
@@ -264,9 +264,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         block holding this rank's row in its slot (see _carry), in a new tensor that the all-reduce sums in place
         and whose first ``buffer.numel()`` elements DDP copies into ``.grad``.
 
-        On the host it is one kept buffer (the last bucket's): a fresh multi-MiB tensor per step cost the
-        allocator more than the division (measured: 322 µs against 132 µs a step for the two buckets of a
-        0.5M-parameter model). DDP copies the result out before the bucket's next hook, so it is free again by then.
+        On the host it is one kept buffer (the last bucket's): a fresh multi-MiB tensor a step cost the allocator more
+        than the division (322 against 132 µs a step, a 0.5M-parameter model). DDP copies it out before the next hook.
         """
         import torch
 
@@ -394,11 +393,12 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         A step still in flight is dropped: call :meth:`flush` first to keep its metrics. Its collective
         is waited for (at most ``CLOSE_WAIT_S``: on a failure path a peer may never contribute).
 
-        DDP has no public way to unregister a communication hook (a second
-        ``register_comm_hook`` raises), so the hook stays registered and, once closed, does only
-        the divide-then-sum all-reduce that DDP's built-in ``allreduce_hook`` does. Closed, it lets the model be freed.
+        DDP has no public way to unregister a communication hook, so the hook stays registered and, once closed, does
+        only the divide-then-sum all-reduce of DDP's ``allreduce_hook``. Closed, it lets the model be freed.
         """
         super().close()
+        if self._local_pass is not None:
+            self._local_pass.close()
         self._plans.clear()
         self._kept_copies.clear()
         if self._model is not None and self._model.__dict__.get("_sync_buffers") is not None:

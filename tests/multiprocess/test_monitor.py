@@ -150,7 +150,7 @@ def _check_against_reference(m, grads, losses, tokens, exact_pairwise: bool, mea
 
 def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: int, every: int = 1,
                   overlap: bool = False, exchange: str = "gather", shared_ok: bool = True, publishes: bool = True,
-                  reduction_every: int = 0) -> list:
+                  reduction_every: int = 0, local_from: str = "auto") -> list:
     """``steps`` monitored steps, each checked against the reference; returns the measured StepMetrics.
 
     With ``overlap`` a step's metrics arrive at the next sampled ``end_step`` (the last from ``flush``);
@@ -160,12 +160,13 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     map it (``shared_ok`` False: every rank must then gather). There one rank
     computes each step's metrics and publishes them, unless they cannot be (``publishes`` False: every rank then
     computes them itself). ``reduction_every``: check the reduction every k-th step (exact mode gathers those
-    steps in chunks).
+    steps in chunks). ``local_from="grads"``: the local gradients are read from ``.grad`` with no comm hook.
     """
     rank, n = distributed.rank(), distributed.world_size()
     ddp, reference_model = _make_ddp(dtype, bucket_view)
     monitor = WorkerConsistencyMonitor(ddp, direction=direction, sketch_dim=SKETCH_DIM, every=every, seed=7,
-                                       overlap=overlap, exchange=exchange, reduction_every=reduction_every)
+                                       overlap=overlap, exchange=exchange, reduction_every=reduction_every, local_from=local_from)
+    hooked = _CallCounter(WorkerConsistencyMonitor, "_reduce_bucket")
     bf16 = dtype == torch.bfloat16
     references: dict[int, tuple] = {}
     measured: list = []
@@ -232,7 +233,9 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     # The hook starts each bucket's all-reduce on the process group itself, not through dist.all_reduce's wrapper
     # (distributed.all_reduce_async says why); sketch mode makes no other all-reduce.
     assert wrapped.restore() == 0 or direction == "exact", f"{wrapped.count} all-reduces through the wrapper"
-    if direction == "sketch" and dtype == torch.float32:
+    grads = local_from == "grads"
+    assert (hooked.restore() == 0) == grads, f"{hooked.count} comm hook calls with local_from={local_from!r}"
+    if direction == "sketch" and dtype == torch.float32 and not grads:
         # Each bucket's C pass was planned once and kept: one plan per bucket of DDP's rebuilt layout.
         assert monitor._plans.indices() == list(range(measured[-1].buckets)), monitor._plans.indices()
     if shared and overlap:
@@ -242,9 +245,12 @@ def _run_scenario(direction: str, dtype, bucket_view: bool, accum: int, steps: i
     # Rank 0 unlinks the file once every rank mapped it: nothing is left even if the run is killed now.
     assert not glob.glob(os.path.join(shared_rows.DIRECTORY, "healthcheck-rows-*")), "a shared-rows file was left behind"
     assert [m.step for m in measured] == [s for s in range(steps) if s % every == 0] and not references
-    assert measured[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {measured[-1].buckets}"
-    # Guards the scenario itself: the bucket layout must change between the first and a later step.
-    assert measured[0].buckets != measured[-1].buckets, "DDP did not rebuild its buckets; rebuild path not exercised"
+    if grads:  # one pass over .grad a step, whatever DDP's buckets
+        assert {m.buckets for m in measured} == {1}, [m.buckets for m in measured]
+    else:
+        assert measured[-1].buckets > 1, f"expected several buckets after DDP's rebuild, got {measured[-1].buckets}"
+        # Guards the scenario itself: the bucket layout must change between the first and a later step.
+        assert measured[0].buckets != measured[-1].buckets, "DDP did not rebuild its buckets; rebuild path not exercised"
     # Busy time (previous reduction's end to this rank's last bucket) exists from the second step on.
     assert "busy_ms" not in measured[0].per_rank_extras or every > 1
     assert all(v > 0 for m in measured[1:] for v in m.per_rank_extras["busy_ms"])
@@ -492,14 +498,20 @@ def test_monitor_matches_reference_on_four_ranks():
     launcher.launch_local(_four_rank_worker, 4, run_id="test-monitor-4")
 
 
-@pytest.mark.multiprocess
-def test_the_gpu_kernels_table_matches_reference_in_triton_interpreter():
+def launch_interpreted(module: str, worker: str, ranks: int) -> None:
+    """``tests.multiprocess.<module>.<worker>`` on ``ranks`` gloo ranks in a fresh interpreter with Triton's interpreter
+    switched on (``TRITON_INTERPRET=1`` must be set before Triton is first imported)."""
     pytest.importorskip("triton")  # a test dependency ([test] extra)
-    launch = "from healthcheck.run import launcher; from tests.multiprocess import test_monitor as t; " \
-             "launcher.launch_local(t._interpreted_kernel_worker, 4, run_id='test-monitor-kernel')"
+    launch = f"from healthcheck.run import launcher; from tests.multiprocess import {module} as t; " \
+             f"launcher.launch_local(t.{worker}, {ranks}, run_id='{module}-{worker}'.replace('_', '-'))"
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", launch], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_the_gpu_kernels_table_matches_reference_in_triton_interpreter():
+    launch_interpreted("test_monitor", "_interpreted_kernel_worker", 4)
 
 
 @pytest.mark.multiprocess

@@ -63,17 +63,20 @@ def test_hook_cost_smoke_run_on_cpu(capsys):
     # The GPU measurement's script, on a tiny model and one gloo rank: every arm runs and prints a row.
     with loaded_script("hook_cost") as hook_cost:
         results = hook_cost.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128",
-                                  "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1", "--pieces"])
-    arms = ["plain", "hook-only", "sketch", "sketch-torch", "exact", "grads-once"]
+                                  "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1", "--pieces",
+                                  "--local-from", "grads"])
+    arms = ["plain", "hook-only", "sketch", "sketch-buckets", "sketch-torch", "exact"]
     assert list(results) == arms and all(r["step_ms"] > 0 for r in results.values())
     out = capsys.readouterr().out
     table = out.splitlines()
     assert [line.split(" | ")[0] for line in table[-6:]] == [f"| {arm}" for arm in arms]
     # --pieces timed the monitor's code in the monitored arms, and put the methods back afterwards.
-    assert "arm sketch, wall ms per timed step inside: " in out and "FoldedSketch.with_sqnorm" in out
-    # The no-hook probe's callbacks ran in every timed step: before DDP's finalize and after it.
-    grads_once = next(line for line in table if line.startswith("arm grads-once, wall ms per timed step inside: "))
-    assert "LocalGradients._sketch_local" in grads_once and "LocalGradients._mean_norm" in grads_once
+    # The sketch arm read .grad with no comm hook (--local-from grads): its two callbacks, before DDP's finalize and
+    # after it, ran; sketch-buckets' hook sketched each bucket.
+    sketch = next(line for line in table if line.startswith("arm sketch, wall ms per timed step inside: "))
+    assert "LocalGradientPass._local" in sketch and "LocalGradientPass._mean" in sketch and "_reduce_bucket" not in sketch
+    buckets = next(line for line in table if line.startswith("arm sketch-buckets, wall ms per timed step inside: "))
+    assert "WorkerConsistencyMonitor._reduce_bucket" in buckets and "LocalGradientPass" not in buckets
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
     assert WorkerConsistencyMonitor.__dict__["_reduce_bucket"].__qualname__ == "WorkerConsistencyMonitor._reduce_bucket"

@@ -1,0 +1,183 @@
+"""Sketch mode on DDP without a comm hook: the local gradients read from ``.grad`` once per backward.
+
+Why: on a GPU the step is launch-bound, and the comm hook runs on the autograd thread, so its Python per bucket is
+what the monitor costs. A hook that only averages already cost +1.4% to +8.9% of a 0.95B Llama step on one H200,
+so no design with a Python hook per bucket reaches the 1% target of issue 13 (docs/measurements.md, "GPU"). Here
+DDP keeps its own C++ all-reduce, and the monitor adds two autograd callbacks a step:
+
+* Without ``gradient_as_bucket_view`` (DDP's default) DDP copies each gradient into its bucket and leaves ``.grad``
+  local until its finalize copies the average back. DDP queues that finalize as an autograd callback when its last
+  bucket is ready, and the engine runs callbacks in the order queued. A gradient hook on the forward's output, the
+  first thing the backward computes, queues :meth:`LocalGradientPass._local`, so it runs before the finalize and
+  reads every local gradient: the sketch and ‖g_i‖² in one launch (:class:`.grad_table.GradTable`).
+* It queues :meth:`LocalGradientPass._mean`, which runs after the finalize: this rank's share of ‖ḡ‖² off the
+  averaged ``.grad``, one more launch.
+
+Each parameter is a bucket of the folded sketch with its index as bucket id, so the model's sketch is another draw
+of the same sketch as the comm hook's (the same error bound), and the same on every rank: every rank must take the
+same path, which ``"auto"`` does where the ranks share a device type and Triton. ``"auto"`` takes it on CUDA in
+sketch mode with the kernel, without reduction checks (they compare the bucket's all-reduce with its float64 sum,
+which needs the hook) or ``exchange="carry"`` (it rides on a bucket). On the host the same pass runs through the torch
+sketch (``local_from="grads"``: how the tests drive it on gloo); ``"auto"`` keeps the host's C pass in the hook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+#: ``WorkerConsistencyMonitor(local_from=...)``: where sketch mode reads the local gradient.
+LOCAL_FROM = ("auto", "buckets", "grads")
+
+
+def choose(model: Any, local_from: str, *, direction: str, reduction_every: int, exchange: str) -> bool:
+    """Whether the monitor reads ``.grad`` once a step (True) or DDP's buckets in a comm hook (False).
+
+    Raises:
+        ValueError: ``local_from`` is unknown, or ``"grads"`` where the pass cannot run (the message says why).
+    """
+    if local_from not in LOCAL_FROM:
+        raise ValueError(f"local_from: expected one of {LOCAL_FROM}, got {local_from!r}")
+    if local_from == "buckets":
+        return False
+    blocker = _blocker(model, direction, reduction_every, exchange)
+    if local_from == "grads" and blocker:
+        raise ValueError(f"local_from='grads' cannot run here: {blocker}")
+    if blocker or local_from == "grads":
+        return not blocker
+    from healthcheck.measure.sketch import _kernel_for, _kernel_module
+
+    first = next((p for p in model.parameters() if p.requires_grad), None)
+    return first is not None and first.is_cuda and _kernel_module() is not None and _kernel_for(first.detach()) is not None
+
+
+def _blocker(model: Any, direction: str, reduction_every: int, exchange: str) -> str:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if direction != "sketch":
+        return "exact mode keeps each bucket's local copy in the comm hook"
+    if reduction_every:
+        return "reduction checks compare each bucket's all-reduce in the comm hook (reduction_every=0 turns them off)"
+    if exchange == "carry":
+        return "exchange='carry' rides on the last bucket's all-reduce"
+    if getattr(model, "gradient_as_bucket_view", False):
+        return "with gradient_as_bucket_view, .grad is the bucket DDP is averaging"
+    if not params or any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
+        return "the trained parameters must share one dtype and one device"
+    return ""
+
+
+class LocalGradientPass:
+    """The two callbacks a sampled step adds (module docstring), writing the monitor's partials under index 0.
+
+    Args:
+        monitor: The :class:`~healthcheck.measure.monitor.WorkerConsistencyMonitor` (its ``_sketch``, ``_sqnorm``,
+            ``_mean_sqnorm``, arrival and release clocks).
+        model: Its DDP model.
+        k, seed: The sketch's.
+    """
+
+    def __init__(self, monitor: Any, model: Any, *, k: int, seed: int):
+        self._monitor, self._k, self._seed = monitor, k, seed
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._table = make_table(self._params, k=k, seed=seed, rank=monitor._rank, world=monitor._world)
+        self._armed: list[Any] = []  # the handles of the hooks on the last armed forward's outputs
+        self._handle = model.register_forward_hook(self._forward)
+
+    def _forward(self, module: Any, inputs: Any, output: Any) -> None:
+        import torch
+
+        self._disarm()  # a forward whose backward never came
+        if not (torch.is_grad_enabled() and module.require_backward_grad_sync and self._monitor._sampling()):
+            return  # no backward, a no_sync micro-step, or a step the monitor does not sample
+        self._armed = [tensor.register_hook(self._start) for tensor in _grad_tensors(output)]
+
+    def _start(self, grad: Any) -> None:
+        from torch.autograd import Variable
+
+        if self._armed:  # the first of the outputs' gradients: the backward has started
+            self._disarm()
+            Variable._execution_engine.queue_callback(self._local)
+
+    def _disarm(self) -> None:
+        # A hook left on an output keeps that tensor alive as long as its graph is, through the next step's forward:
+        # measured on an H200, the 0.95B Llama's step started with 0.85 GiB more held (the logits and the loss).
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
+
+    def _local(self) -> None:
+        from torch.autograd import Variable
+
+        monitor = self._monitor
+        monitor._arrived, monitor._waited_at_arrival = time.perf_counter(), monitor._wait_clock.total
+        if not self._params[0].is_cuda:
+            monitor._queue_release()
+            monitor._read_host_clock()
+        grads = [p.grad for p in self._params]
+        try:
+            monitor._sketch[0], monitor._sqnorm[0] = self._table.local(grads)
+        except Exception as error:  # noqa: BLE001 - a kernel Triton cannot build here: the torch sketch, as the hook does
+            from healthcheck.measure.sketch import kernel_failed
+
+            kernel_failed(error)
+            self._table = HostTable(k=self._k, seed=self._seed, rank=monitor._rank, world=monitor._world)
+            monitor._sketch[0], monitor._sqnorm[0] = self._table.local(grads)
+        Variable._execution_engine.queue_callback(self._mean)  # queued while callbacks run: after DDP's finalize
+
+    def _mean(self) -> None:
+        self._monitor._mean_sqnorm[0] = self._table.mean_squares([p.grad for p in self._params])
+
+    def close(self) -> None:
+        self._disarm()
+        self._handle.remove()
+
+
+def make_table(params: list[Any], *, k: int, seed: int, rank: int, world: int) -> Any:
+    """The kernel's :class:`.grad_table.GradTable` for CUDA parameters, else :class:`HostTable`."""
+    first = params[0]
+    if not first.is_cuda:
+        return HostTable(k=k, seed=seed, rank=rank, world=world)
+    from healthcheck.measure.grad_table import GradTable
+
+    return GradTable([p.numel() for p in params], first.dtype, first.device, k=k, seed=seed, rank=rank, world=world)
+
+
+class HostTable:
+    """:class:`.grad_table.GradTable`'s results without Triton, tensor by tensor: the torch sketch of each, and the
+    share of ‖ḡ‖² by tensors (index ``rank`` mod ``world``) instead of rows. Float64 sums on the host."""
+
+    def __init__(self, *, k: int, seed: int, rank: int, world: int):
+        self.k, self.seed, self.rank, self.world = k, seed, rank, world
+
+    def local(self, tensors: list[Any]) -> tuple[Any, float]:
+        from healthcheck.measure.sketch import sketch_bucket
+
+        present = [(i, t) for i, t in enumerate(tensors) if t is not None]
+        sketch = sketch_bucket(present[0][1][:0], k=self.k, seed=self.seed, bucket_id=0) if present else None
+        for i, t in present:
+            sketch += sketch_bucket(t, k=self.k, seed=self.seed, bucket_id=i)
+        return sketch, float(sum(float(t.double().square().sum()) for _, t in present))
+
+    def mean_squares(self, tensors: list[Any]) -> float:
+        return float(sum(float(t.double().square().sum()) for t in tensors[self.rank :: self.world] if t is not None))
+
+
+def _grad_tensors(output: Any) -> list[Any]:
+    """The tensors in a forward's output (a tensor, a tuple or list, a mapping such as a ``ModelOutput``) that the
+    backward will reach.
+
+    >>> import torch
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> [t.shape for t in _grad_tensors({"loss": (w * 2).sum(), "logits": [w * 3, torch.zeros(1)]})]
+    [torch.Size([]), torch.Size([2])]
+    """
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _grad_tensors(item)]
+    return []

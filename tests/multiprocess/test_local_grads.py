@@ -1,0 +1,85 @@
+"""``WorkerConsistencyMonitor(local_from="grads")`` on 4 gloo ranks: sketch mode with no comm hook, the local gradients
+read from ``.grad`` by an autograd callback queued at the start of the backward (before DDP's finalize averages
+them), ‖ḡ‖² by one queued after it (``healthcheck/measure/local_grads.py``). Every metric against the float64
+reference of ``test_monitor.py``, through accumulation under ``no_sync``, ``every=2``, overlap and bf16; the host
+path (the torch sketch per tensor) and the GPU's (``grad_table``'s kernel, in Triton's interpreter).
+
+    python -m pytest tests/multiprocess/test_local_grads.py -q
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from healthcheck.measure import distributed
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
+from healthcheck.run import launcher
+from tests.multiprocess.test_monitor import SKETCH_DIM, _batch, _CallCounter, _make_ddp, _run_scenario, launch_interpreted
+
+
+def _host_worker() -> None:
+    distributed.set_worker_threads(4)
+    distributed.init_distributed("cpu", "gloo", 120)
+    try:
+        _run_scenario("sketch", torch.float32, bucket_view=False, accum=2, steps=5, every=2, overlap=True, exchange="auto",
+                      local_from="grads")
+        _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=3, exchange="gather", local_from="grads")
+        _check_the_outputs_are_not_kept()
+        for bucket_view, direction, match in ((True, "sketch", "gradient_as_bucket_view"), (False, "exact", "exact mode")):
+            ddp, _ = _make_ddp(torch.float32, bucket_view)
+            with pytest.raises(ValueError, match=match):
+                WorkerConsistencyMonitor(ddp, direction=direction, local_from="grads")
+    finally:
+        distributed.destroy_distributed()
+
+
+def _check_the_outputs_are_not_kept() -> None:
+    """The hooks that start the pass come off the forward's outputs when the backward starts (or at the next forward,
+    if it never came): left on, they kept the outputs alive as long as the loss, into the next step."""
+    ddp, _ = _make_ddp(torch.float32, False)
+    monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, overlap=False, local_from="grads")
+    x, y = _batch(0, distributed.rank(), 0, torch.float32)
+    unused = weakref.ref(ddp(x))  # a forward with grad enabled and no backward
+    out = ddp(x)
+    watched = weakref.ref(out)
+    loss = ((out - y) ** 2).mean()
+    del out
+    loss.backward()
+    assert monitor.end_step(loss.detach()) is not None
+    gc.collect()
+    assert watched() is None and unused() is None, "the pass's hooks kept a forward's output alive"
+    monitor.close()
+
+
+def _interpreted_worker() -> None:
+    """As on CUDA: one kernel launch over the gradients' addresses before DDP's finalize, one after it."""
+    from healthcheck.measure import local_grads
+    from healthcheck.measure.grad_table import GradTable
+
+    distributed.set_worker_threads(4)
+    distributed.init_distributed("cpu", "gloo", 120)
+
+    def on_the_host(params, **kwargs):
+        return GradTable([p.numel() for p in params], params[0].dtype, "cpu", **kwargs)
+
+    local_grads.make_table = on_the_host
+    launches = _CallCounter(GradTable, "_launch")
+    try:
+        measured = _run_scenario("sketch", torch.float32, bucket_view=False, accum=2, steps=4, overlap=True, local_from="grads")
+        assert launches.restore() == 2 * len(measured), (launches.count, len(measured))
+    finally:
+        distributed.destroy_distributed()
+
+
+@pytest.mark.multiprocess
+def test_the_local_gradients_read_from_grad_match_the_reference():
+    launcher.launch_local(_host_worker, 4, run_id="test-local-grads")
+
+
+@pytest.mark.multiprocess
+def test_the_gpu_pass_matches_the_reference_in_triton_interpreter():
+    launch_interpreted("test_local_grads", "_interpreted_worker", 4)
