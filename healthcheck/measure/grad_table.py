@@ -1,7 +1,7 @@
 """The folded sketch and ‖x‖² of a list of tensors (a model's local gradients) in one Triton launch (CUDA).
 
 Why: on a GPU the comm hook's Python on the autograd thread is what the monitor costs a launch-bound step; a hook
-that only averages already cost +1.4% to +8.9% of a 0.95B Llama step on one H200 (docs/measurements.md, "GPU").
+that only averages already cost +1.4% to +18% of a 0.95B Llama step on one H200 (docs/measurements.md, "GPU").
 :mod:`.local_grads` therefore reads the local gradients from ``.grad`` once per backward, and this module makes that
 one launch: each row of the table is one segment of one tensor (:func:`~.sketch_layout.row_table` with the tensor's
 index as its bucket id, so the model's sketch is the sum of its parameters' sketches, the same on every rank), and

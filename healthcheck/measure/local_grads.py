@@ -1,7 +1,7 @@
 """Sketch mode on DDP without a comm hook: the local gradients read from ``.grad`` once per backward.
 
 Why: on a GPU the step is launch-bound, and the comm hook runs on the autograd thread, so its Python per bucket is
-what the monitor costs. A hook that only averages already cost +1.4% to +8.9% of a 0.95B Llama step on one H200,
+what the monitor costs. A hook that only averages already cost +1.4% to +18% of a 0.95B Llama step on one H200,
 so no design with a Python hook per bucket reaches the 1% target of issue 13 (docs/measurements.md, "GPU"). Here
 DDP keeps its own C++ all-reduce, and the monitor adds two autograd callbacks a step:
 
