@@ -291,13 +291,9 @@ class ConsistencyMonitor:
 
     def _dot_total(self, indices: list[int]) -> Any:
         """The header's ⟨g_i, ḡ⟩ column: a zero, as no monitor measures it. Sketch mode reads the cosine to the mean
-        off the sketches (:meth:`_sketch_gram_use`), exact mode reads everything off its Gram."""
-        first = self._sqnorm[indices[0]]
-        if isinstance(first, float):
-            return 0.0
-        import torch
-
-        return torch.zeros((), dtype=torch.float64, device=first.device)
+        off the sketches (:meth:`_sketch_gram_use`), exact mode reads everything off its Gram. A plain number: on a
+        device it rides in the header's one copy of plain numbers, where a device zero was one more launch."""
+        return 0.0
 
     def _sketch_gram_use(self) -> str:
         """What sketch mode reads off the sketches' Gram besides the pairwise cosines: the cosine to the mean,
@@ -363,7 +359,9 @@ def sum_partials(partials: dict[int, Any], indices: list[int]) -> Any:
     # One stack (it promotes, so fp32 values stay exact) and one sum, whatever the bucket count: on a GPU each op is a
     # launch that end_step's thread pays (42 buckets: 44 ops before, 3 now, counted by torch.profiler on the host).
     # The GPU kernel's partials are a few fp32 pieces per bucket (sketch_kernel.DeviceBucket): one cat instead.
-    if any(t.dim() for t in tensors):
+    if len(tensors) == 1:  # one table of pieces (the GPU's .grad pass, local_grads.py): one op
+        total = tensors[0].sum(dtype=torch.float64)
+    elif any(t.dim() for t in tensors):
         total = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float64).sum()
     else:
         total = torch.stack(tensors).to(torch.float64).sum()

@@ -93,23 +93,34 @@ def pack(
         ]
         return host_vectors.pack(header, sketch), names
     else:
-        # Device scalars stay where they are; plain numbers go over in one copy from pinned memory, without a wait
-        # (a copy from pageable memory makes torch wait for the stream: on a GPU, for the backward to drain).
-        values = [loss, tokens, sqnorm, dot, mean_sqnorm, 0.0 if loss is None else 1.0, *(extras[n] for n in names)]
-        plain = [float("nan") if v is None else float(v) for v in values if not isinstance(v, torch.Tensor)]
-        copied = iter(_numbers_on(device, plain).unbind())
-        column = torch.stack(
-            [v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor) else next(copied) for v in values]
-        )
-        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event.
-        flag = ((column[5] > 0) & ~torch.isfinite(column[0]) | ~torch.isfinite(column[2])).to(torch.float64)
-        parts = [column[:5], flag.reshape(1), column[5:]]
+        values = [loss, tokens, sqnorm, dot, mean_sqnorm, 0.0, 0.0 if loss is None else 1.0, *(extras[n] for n in names)]
+        parts = [device_column(values, device)]
     if sketch is not None:
         bits = sketch.to(device=device, dtype=torch.float32).reshape(-1)
         if bits.numel() % 2:
             bits = torch.cat([bits, bits.new_zeros(1)])
         parts.append(bits.view(torch.float64))
     return torch.cat(parts) if len(parts) > 1 else parts[0], names
+
+
+def device_column(values: list[Any], device: Any) -> Any:
+    """The header on ``device`` as float64, in ``values``' order: device scalars stay where they are, and the plain
+    numbers (None: NaN) go over in one copy from pinned memory, without a wait (a copy from pageable memory makes torch
+    wait for the stream: on a GPU, for the backward to drain). Its ``nonfinite`` slot is what the caller put there (0):
+    :func:`complete` derives the flag from the loss and ‖g_i‖² columns, because here every op would be a launch on the
+    step's thread (the flag took eleven).
+
+    >>> import torch
+    >>> device_column([torch.tensor(0.5, dtype=torch.bfloat16), 7, None, torch.tensor([2.0])], "cpu").tolist()
+    [0.5, 7.0, nan, 2.0]
+    """
+    import torch
+
+    plain = [float("nan") if v is None else float(v) for v in values if not isinstance(v, torch.Tensor)]
+    copied = iter(_numbers_on(torch.device(device), plain).unbind())
+    return torch.stack(
+        [v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor) else next(copied) for v in values]
+    )
 
 
 def _numbers_on(device: Any, numbers: list[float]) -> Any:
@@ -396,7 +407,12 @@ def complete(inflight: InFlight) -> StepMetrics:
         mean_sqnorm=mean_sq,
         gram=gram_rows,
         per_rank_tokens=None if any(math.isnan(t) for t in tokens) else tokens,
-        nonfinite_flags=[flag != 0 for flag in column("nonfinite")],
+        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event. The header's
+        # ‖g_i‖², not the Gram's, as exact mode reads the norms off its Gram (a device packs the flag as 0).
+        nonfinite_flags=[
+            flag != 0 or not math.isfinite(sq) or (measured != 0 and not math.isfinite(loss))
+            for flag, sq, measured, loss in zip(column("nonfinite"), column("sqnorm"), column("loss_measured"), column("loss"), strict=True)
+        ],
         loss_measured=[flag != 0 for flag in column("loss_measured")],
         per_rank_extras={name: [row[len(HEADER) + j] for row in values] for j, name in enumerate(inflight.names)},
         buckets=inflight.buckets,
