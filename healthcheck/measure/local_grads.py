@@ -12,13 +12,16 @@ DDP keeps its own C++ all-reduce, and the monitor adds two autograd callbacks a 
   reads every local gradient: the sketch and ‖g_i‖² in one launch (:class:`.grad_table.GradTable`).
 * It queues :meth:`LocalGradientPass._mean`, which runs after the finalize: this rank's share of ‖ḡ‖² off the
   averaged ``.grad``, one more launch.
+* On a reduction-check step (``reduction_every``) the first callback also keeps a flat copy of the local gradients
+  and the second one of the averaged ``.grad`` (a copy: a loop may clip ``.grad`` before ``end_step``), the pair
+  the monitor's chunked check compares, as the hook keeps each bucket's.
 
 Each parameter is a bucket of the folded sketch with its index as bucket id, so the model's sketch is another draw
 of the same sketch as the comm hook's (the same error bound), and the same on every rank: every rank must take the
 same path, which ``"auto"`` does where the ranks share a device type and Triton. ``"auto"`` takes it on CUDA in
-sketch mode with the kernel, without reduction checks (they compare the bucket's all-reduce with its float64 sum,
-which needs the hook) or ``exchange="carry"`` (it rides on a bucket). On the host the same pass runs through the torch
-sketch (``local_from="grads"``: how the tests drive it on gloo); ``"auto"`` keeps the host's C pass in the hook.
+sketch mode with the kernel, without ``exchange="carry"`` (it rides on a bucket). On the host the same pass runs
+through the torch sketch (``local_from="grads"``: how the tests drive it on gloo); ``"auto"`` keeps the host's C
+pass in the hook.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 LOCAL_FROM = ("auto", "buckets", "grads")
 
 
-def choose(model: Any, local_from: str, *, direction: str, reduction_every: int, exchange: str) -> bool:
+def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> bool:
     """Whether the monitor reads ``.grad`` once a step (True) or DDP's buckets in a comm hook (False).
 
     Raises:
@@ -41,7 +44,7 @@ def choose(model: Any, local_from: str, *, direction: str, reduction_every: int,
         raise ValueError(f"local_from: expected one of {LOCAL_FROM}, got {local_from!r}")
     if local_from == "buckets":
         return False
-    blocker = _blocker(model, direction, reduction_every, exchange)
+    blocker = _blocker(model, direction, exchange)
     if local_from == "grads" and blocker:
         raise ValueError(f"local_from='grads' cannot run here: {blocker}")
     if blocker or local_from == "grads":
@@ -52,12 +55,10 @@ def choose(model: Any, local_from: str, *, direction: str, reduction_every: int,
     return first is not None and first.is_cuda and _kernel_module() is not None and _kernel_for(first.detach()) is not None
 
 
-def _blocker(model: Any, direction: str, reduction_every: int, exchange: str) -> str:
+def _blocker(model: Any, direction: str, exchange: str) -> str:
     params = [p for p in model.parameters() if p.requires_grad]
     if direction != "sketch":
         return "exact mode keeps each bucket's local copy in the comm hook"
-    if reduction_every:
-        return "reduction checks compare each bucket's all-reduce in the comm hook (reduction_every=0 turns them off)"
     if exchange == "carry":
         return "exchange='carry' rides on the last bucket's all-reduce"
     if getattr(model, "gradient_as_bucket_view", False):
@@ -115,6 +116,8 @@ class LocalGradientPass:
             monitor._queue_release()
             monitor._read_host_clock()
         grads = [p.grad for p in self._params]
+        if monitor._checking_reduction():  # the check's local side: .grad becomes the average at the finalize
+            monitor._local_copy[0] = self._flat(grads)
         try:
             monitor._sketch[0], monitor._sqnorm[0] = self._table.local(grads)
         except Exception as error:  # noqa: BLE001 - a kernel Triton cannot build here: the torch sketch, as the hook does
@@ -126,7 +129,16 @@ class LocalGradientPass:
         Variable._execution_engine.queue_callback(self._mean)  # queued while callbacks run: after DDP's finalize
 
     def _mean(self) -> None:
-        self._monitor._mean_sqnorm[0] = self._table.mean_squares([p.grad for p in self._params])
+        grads = [p.grad for p in self._params]
+        self._monitor._mean_sqnorm[0] = self._table.mean_squares(grads)
+        if self._monitor._checking_reduction():  # the check's reduced side, a copy: a loop may clip .grad before end_step
+            self._monitor._reduced[0] = self._flat(grads)
+
+    def _flat(self, grads: list[Any]) -> Any:
+        """The gradients as one flat tensor in the parameters' order (the same on every rank); None as zeros."""
+        import torch
+
+        return torch.cat([(p.new_zeros(p.shape) if g is None else g).reshape(-1) for g, p in zip(grads, self._params, strict=True)])
 
     def close(self) -> None:
         self._disarm()

@@ -150,7 +150,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
         # Sketch mode on a GPU: DDP keeps its C++ all-reduce and the monitor reads .grad once a step (local_grads.py).
-        grads = local_grads.choose(model, local_from, direction=direction, reduction_every=reduction_every, exchange=exchange)
+        grads = local_grads.choose(model, local_from, direction=direction, exchange=exchange)
         self._local_pass = local_grads.LocalGradientPass(self, model, k=self._plans.k, seed=seed) if grads else None
         if self._local_pass is None:
             model.register_comm_hook(state=self, hook=_consistency_hook)

@@ -18,7 +18,15 @@ import torch
 from healthcheck.measure import distributed
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
-from tests.multiprocess.test_monitor import SKETCH_DIM, _batch, _CallCounter, _make_ddp, _run_scenario, launch_interpreted
+from tests.multiprocess.test_monitor import (
+    SKETCH_DIM,
+    _batch,
+    _CallCounter,
+    _make_ddp,
+    _run_scenario,
+    _train_step,
+    launch_interpreted,
+)
 
 
 def _host_worker() -> None:
@@ -28,6 +36,13 @@ def _host_worker() -> None:
         _run_scenario("sketch", torch.float32, bucket_view=False, accum=2, steps=5, every=2, overlap=True, exchange="auto",
                       local_from="grads")
         _run_scenario("sketch", torch.bfloat16, bucket_view=False, accum=1, steps=3, exchange="gather", local_from="grads")
+        # Reduction checks: the local gradients copied before DDP's finalize, the average after it.
+        checked = _run_scenario("sketch", torch.float32, bucket_view=False, accum=2, steps=4, every=2, overlap=True,
+                                exchange="auto", reduction_every=2, local_from="grads")
+        # The ranks' own gradients: fp32 sums of four different vectors round somewhere, so the error is not 0, as it
+        # would be if the check's local side had been taken after the finalize (every rank's copy the same average).
+        assert all(min(m.per_rank_extras["reduction_rel_error"]) > 0 for m in checked), [m.per_rank_extras for m in checked]
+        _check_reduction_after_clipping()
         _check_the_outputs_are_not_kept()
         for bucket_view, direction, match in ((True, "sketch", "gradient_as_bucket_view"), (False, "exact", "exact mode")):
             ddp, _ = _make_ddp(torch.float32, bucket_view)
@@ -52,6 +67,17 @@ def _check_the_outputs_are_not_kept() -> None:
     assert monitor.end_step(loss.detach()) is not None
     gc.collect()
     assert watched() is None and unused() is None, "the pass's hooks kept a forward's output alive"
+    monitor.close()
+
+
+def _check_reduction_after_clipping() -> None:
+    """The check compares the average DDP's finalize wrote, though the loop clips .grad before end_step."""
+    ddp, reference_model = _make_ddp(torch.float32, False)
+    monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, reduction_every=1, overlap=False, local_from="grads")
+    loss, _ = _train_step(ddp, reference_model, 0, 1, torch.float32)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)  # scales every gradient well below its norm
+    worst = max(monitor.end_step(loss).per_rank_extras["reduction_rel_error"])
+    assert worst < 1e-5, f"reduction_rel_error {worst} after the loop clipped the gradients"
     monitor.close()
 
 
