@@ -25,7 +25,7 @@ from healthcheck.measure import distributed, host_vectors, staged_rows
 from healthcheck.measure.metrics import StepMetrics, compute_step_metrics, fsum, gram_statistics
 
 #: The fixed columns of the gathered vector, before the extras (sorted by name) and the sketch.
-HEADER = ("loss", "tokens", "sqnorm", "dot", "mean_sqnorm", "nonfinite", "loss_measured")
+HEADER = ("loss", "tokens", "sqnorm", "dot", "mean_sqnorm", "loss_measured")
 _COLUMN = {name: index for index, name in enumerate(HEADER)}
 #: How long closing a monitor, or a failure path, waits for a gather still in flight before dropping it.
 CLOSE_WAIT_S = 2.0
@@ -77,23 +77,12 @@ def pack(
 
     device = sqnorm.device if hasattr(sqnorm, "device") else torch.device("cpu")
     names = sorted(extras)
-    measured = [loss, sqnorm, dot, mean_sqnorm]
+    values = [loss, tokens, sqnorm, dot, mean_sqnorm, 0.0 if loss is None else 1.0, *(extras[n] for n in names)]
     if device.type == "cpu":
         # On the host a scalar read costs nothing: one tensor from Python floats beats a dozen small ops.
-        values = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in measured]
-        loss_value, sqnorm_value = values[0], values[1]
-        nonfinite = (loss is not None and not math.isfinite(loss_value)) or not math.isfinite(sqnorm_value)
-        header = [
-            values[0],
-            float("nan") if tokens is None else float(tokens),
-            *values[1:],
-            float(nonfinite),
-            0.0 if loss is None else 1.0,
-            *(float("nan") if extras[n] is None else float(extras[n]) for n in names),
-        ]
+        header = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in values]
         return host_vectors.pack(header, sketch), names
     else:
-        values = [loss, tokens, sqnorm, dot, mean_sqnorm, 0.0, 0.0 if loss is None else 1.0, *(extras[n] for n in names)]
         parts = [device_column(values, device)]
     if sketch is not None:
         bits = sketch.to(device=device, dtype=torch.float32).reshape(-1)
@@ -106,9 +95,8 @@ def pack(
 def device_column(values: list[Any], device: Any) -> Any:
     """The header on ``device`` as float64, in ``values``' order: device scalars stay where they are, and the plain
     numbers (None: NaN) go over in one copy from pinned memory, without a wait (a copy from pageable memory makes torch
-    wait for the stream: on a GPU, for the backward to drain). Its ``nonfinite`` slot is what the caller put there (0):
-    :func:`complete` derives the flag from the loss and ‖g_i‖² columns, because here every op would be a launch on the
-    step's thread (the flag took eleven).
+    wait for the stream: on a GPU, for the backward to drain). No non-finite flag travels: :func:`complete` reads
+    it off the loss and ‖g_i‖² columns (on a device the flag took eleven ops, each a launch on the step's thread).
 
     >>> import torch
     >>> device_column([torch.tensor(0.5, dtype=torch.bfloat16), 7, None, torch.tensor([2.0])], "cpu").tolist()
@@ -407,12 +395,9 @@ def complete(inflight: InFlight) -> StepMetrics:
         mean_sqnorm=mean_sq,
         gram=gram_rows,
         per_rank_tokens=None if any(math.isnan(t) for t in tokens) else tokens,
-        # A loss that was not measured is not a non-finite loss: only a measured NaN/Inf is an event. The header's
-        # ‖g_i‖², not the Gram's, as exact mode reads the norms off its Gram (a device packs the flag as 0).
-        nonfinite_flags=[
-            flag != 0 or not math.isfinite(sq) or (measured != 0 and not math.isfinite(loss))
-            for flag, sq, measured, loss in zip(column("nonfinite"), column("sqnorm"), column("loss_measured"), column("loss"), strict=True)
-        ],
+        # compute_step_metrics flags a measured non-finite loss and a non-finite norm it is given; exact mode gives it
+        # the Gram's norms, so the header's ‖g_i‖² (this rank's own fp32 sum) is passed as the flag.
+        nonfinite_flags=[not math.isfinite(sq) for sq in column("sqnorm")],
         loss_measured=[flag != 0 for flag in column("loss_measured")],
         per_rank_extras={name: [row[len(HEADER) + j] for row in values] for j, name in enumerate(inflight.names)},
         buckets=inflight.buckets,
