@@ -11,9 +11,9 @@ host never waits for the stream.
 
 The fold is :mod:`.sketch_kernel`'s (same bins, signs and fp32 atomics; no division). A tensor whose address is 0
 (a parameter without a gradient) reads as zeros. ‖x‖²'s pieces go to ``SPREAD * NB`` tail slots, the row's slot
-group by its index, so a slot takes a few hundred adds even at 70B parameters. With ``squares_only`` a call reads
-only the rows it is given: :meth:`GradTable.mean_squares` takes this rank's share of ‖ḡ‖² off the averaged
-gradients, every row on exactly one rank.
+group by its index, so a slot takes a few hundred adds even at 70B parameters. Without ``SKETCH`` the kernel adds
+only the squares of the rows it is given: :meth:`GradTable.mean_squares` takes this rank's share of ‖ḡ‖² off the
+averaged gradients, every row on exactly one rank.
 """
 
 from __future__ import annotations

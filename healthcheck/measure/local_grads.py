@@ -45,14 +45,15 @@ def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> boo
     if local_from == "buckets":
         return False
     blocker = _blocker(model, direction, exchange)
-    if local_from == "grads" and blocker:
+    if blocker and local_from == "grads":
         raise ValueError(f"local_from='grads' cannot run here: {blocker}")
     if blocker or local_from == "grads":
         return not blocker
-    from healthcheck.measure.sketch import _kernel_for, _kernel_module
+    from healthcheck.measure.sketch import _kernel_for
 
-    first = next((p for p in model.parameters() if p.requires_grad), None)
-    return first is not None and first.is_cuda and _kernel_module() is not None and _kernel_for(first.detach()) is not None
+    # "auto": where the Triton kernel takes the parameters (CUDA, installed, not switched off); _blocker saw one.
+    first = next(p for p in model.parameters() if p.requires_grad)
+    return _kernel_for(first.detach()) is not None
 
 
 def _blocker(model: Any, direction: str, exchange: str) -> str:
@@ -163,13 +164,14 @@ class HostTable:
         self.k, self.seed, self.rank, self.world = k, seed, rank, world
 
     def local(self, tensors: list[Any]) -> tuple[Any, float]:
+        import torch
+
         from healthcheck.measure.sketch import sketch_bucket
 
         present = [(i, t) for i, t in enumerate(tensors) if t is not None]
-        sketch = sketch_bucket(present[0][1][:0], k=self.k, seed=self.seed, bucket_id=0) if present else None
-        for i, t in present:
-            sketch += sketch_bucket(t, k=self.k, seed=self.seed, bucket_id=i)
-        return sketch, float(sum(float(t.double().square().sum()) for _, t in present))
+        # No gradient at all reads as zeros, as in the kernel's table.
+        sketches = [sketch_bucket(t, k=self.k, seed=self.seed, bucket_id=i) for i, t in present or [(0, torch.zeros(0))]]
+        return torch.stack(sketches).sum(0), float(sum(float(t.double().square().sum()) for _, t in present))
 
     def mean_squares(self, tensors: list[Any]) -> float:
         return float(sum(float(t.double().square().sum()) for t in tensors[self.rank :: self.world] if t is not None))
