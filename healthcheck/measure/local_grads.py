@@ -51,9 +51,9 @@ def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> boo
         return not blocker
     from healthcheck.measure.sketch import _kernel_for
 
-    # "auto": where the Triton kernel takes the parameters (CUDA, installed, not switched off); _blocker saw one.
+    # "auto": CUDA parameters that the Triton kernel takes (installed, not switched off); _blocker saw one.
     first = next(p for p in model.parameters() if p.requires_grad)
-    return _kernel_for(first.detach()) is not None
+    return first.is_cuda and _kernel_for(first.detach()) is not None
 
 
 def _blocker(model: Any, direction: str, exchange: str) -> str:
