@@ -58,6 +58,11 @@ class RankInfo(Record):
     sampler_rank: Optional[int] = Field(None, description="The shard this rank's sampler reads (0 for every rank when replicated).")
     sampler_replicas: Optional[int] = Field(None, description="Shards the sampler splits the data into.")
     precision: str = Field(description="fp32 or bf16 autocast (a script: as observed at its first training forward).")
+    gradient_source: Optional[str] = Field(
+        None,
+        description="Where the monitor read this rank's local gradient: grads (.grad, before DDP's finalize), "
+        "comm_hook (DDP's buckets) or reduce_scatter (FSDP2); the same on every rank. None: no monitor yet.",
+    )
     versions: dict[str, str] = Field(default_factory=dict, description="python/torch/transformers/cuda versions on this rank.")
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_*/HCCL_*/TORCH_* variables on this rank.")
 

@@ -14,7 +14,6 @@ synthetic alpaca data, 8 CPU workers). Errors name the file and the field::
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from healthcheck.config.merging import deep_merge
 from healthcheck.config.names import NAME_PATTERN, script_probe_name
 from healthcheck.typed import field_path
 
@@ -168,6 +168,11 @@ class MetricsConfig(_Section):
         "prime <= sketch_dim that divides no tensor dimension).",
     )
     sketch_dim: int = Field(4096, ge=16, le=1 << 20, description="Sketch dimension k for direction=sketch.")
+    local_from: Literal["auto", "buckets", "grads"] = Field(
+        "auto", description="Where DDP's sketch mode reads each rank's local gradient: `buckets` (a comm hook per bucket), "
+        "`grads` (.grad once a step, by an autograd callback before DDP's finalize; DDP keeps its own all-reduce; sketch "
+        "mode) or `auto` (grads on CUDA where it can run, else buckets; every rank alike). FSDP2 takes auto.",
+    )
     param_check_every: int = Field(
         10,
         ge=1,
@@ -333,6 +338,20 @@ class ProbeConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_local_from(self) -> "ProbeConfig":
+        # What the config decides; a --script probe's own model may still refuse it (exit 2 when the script builds it).
+        chosen, problem = self.metrics.local_from, ""
+        if chosen != "auto" and self.distributed.strategy == "fsdp":
+            problem = "chooses how DDP is read; distributed.strategy=fsdp takes 'auto'"
+        elif chosen == "grads" and self.metrics.direction != "sketch":
+            problem = "is for sketch mode; metrics.direction=exact reads each bucket in the comm hook"
+        elif chosen == "grads" and self.script is None and self.distributed.gradient_as_bucket_view:
+            problem = "cannot read .grad with distributed.gradient_as_bucket_view (it is the bucket DDP averages)"
+        if problem:
+            raise ValueError(f"metrics.local_from: {chosen!r} {problem}")
+        return self
+
+    @model_validator(mode="after")
     def _check_rank_overrides(self) -> "ProbeConfig":
         for rank, override in self.rank_overrides.items():
             if rank < 0 or rank >= self.distributed.nproc:
@@ -399,18 +418,3 @@ def _validate_override(config: ProbeConfig, rank: int, override: dict[str, Any])
         loc = field_path(first["loc"])
         msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
         raise ValueError(f"rank_overrides.{rank}.{loc}: {msg}") from None
-
-
-def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``base`` with ``patch`` merged in, recursively.
-
-    >>> deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}})
-    {'a': {'b': 1, 'c': 3}}
-    """
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

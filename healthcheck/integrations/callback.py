@@ -45,7 +45,7 @@ class HealthcheckCallback(TrainerCallback):
 
     Args:
         trainer: The ``Trainer`` (its ``model_wrapped`` is the DDP model; its ``compute_loss`` is wrapped).
-        direction, sketch_dim, every, seed: Passed to the monitor.
+        direction, sketch_dim, every, seed, local_from: Passed to the monitor.
         envelopes: A baseline path, a ``Baseline``, or ``{metric: (lower, upper)}`` judged on the median.
         stop_on_violation: Stop training at the first violated envelope.
         warmup_steps: Optimizer steps (0-based ``global_step``) excluded from the window.
@@ -62,6 +62,7 @@ class HealthcheckCallback(TrainerCallback):
         sketch_dim: int = 4096,
         every: int = 1,
         seed: int = 0,
+        local_from: str = "auto",
         envelopes: Any = None,
         stop_on_violation: bool = False,
         warmup_steps: int = 10,
@@ -78,6 +79,7 @@ class HealthcheckCallback(TrainerCallback):
             "sketch_dim": sketch_dim,
             "every": every,
             "seed": seed,
+            "local_from": local_from,
             "overlap": False,
         }
         self.checks = window_envelopes(envelopes)

@@ -63,11 +63,15 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         model: The FSDP2 root module (``fully_shard`` applied to it and, usually, to its blocks).
         reduce_scatter_every_microbatch: Exact mode only: FSDP2 reduce-scatters every micro-batch of
             gradient accumulation (no ``set_requires_gradient_sync(False)``); see the module docstring.
+        local_from: "auto" only: FSDP2's local gradient is read where it is reduce-scattered, and the probe's
+            ``metrics.local_from`` (a DDP choice) reaches here unchanged.
 
     Raises:
         TypeError: ``model`` has no FSDP2 parameter group.
         ValueError: One rank (FSDP2 then never reduce-scatters), HSDP, or groups over different ranks.
     """
+
+    gradient_source = "reduce_scatter"
 
     def __init__(
         self,
@@ -83,7 +87,10 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         overlap: bool = True,
         exchange: str = "auto",
         reduce_scatter_every_microbatch: bool = False,
+        local_from: str = "auto",
     ):
+        if local_from != "auto":
+            raise ValueError(f"local_from: FSDP2 reads each rank's gradient as it reduce-scatters it ('auto'), got {local_from!r}")
         if exchange not in ("auto", "gather"):
             # FSDP2 reduce-scatters: no rank receives the whole reduced buffer, so nothing could carry the rows.
             raise ValueError(f"exchange: FSDP2 gathers each step's numbers (exchange='auto' or 'gather'), got {exchange!r}")

@@ -18,7 +18,7 @@ DDP keeps its own C++ all-reduce, and the monitor adds two autograd callbacks a 
 
 Each parameter is a bucket of the folded sketch with its index as bucket id, so the model's sketch is another draw
 of the same sketch as the comm hook's (the same error bound), and the same on every rank: every rank must take the
-same path, which ``"auto"`` does where the ranks share a device type and Triton. ``"auto"`` takes it on CUDA in
+same path, which the ranks agree on when the monitor is made (:func:`gradient_source`). ``"auto"`` takes it on CUDA in
 sketch mode with the kernel, without ``exchange="carry"`` (it rides on a bucket). On the host the same pass runs
 through the torch sketch (``local_from="grads"``: how the tests drive it on gloo); ``"auto"`` keeps the host's C
 pass in the hook.
@@ -34,26 +34,70 @@ from typing import Any
 LOCAL_FROM = ("auto", "buckets", "grads")
 
 
-def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> bool:
-    """Whether the monitor reads ``.grad`` once a step (True) or DDP's buckets in a comm hook (False).
+def gradient_source(model: Any, local_from: str, *, direction: str, exchange: str, group: Any = None) -> str:
+    """Where the monitor reads the local gradient, the same on every rank of ``group``: "grads" (``.grad`` once a
+    step) or "comm_hook" (DDP's buckets).
+
+    The two paths' sketches are different draws (module docstring), so a rank on one and a rank on the other would
+    compare unrelated sketches: cosines near 0 and nothing to say why. A node without Triton, or one rank's model on
+    another dtype, would do that under ``"auto"``, so the ranks agree with one gather of a flag at construction (a
+    collective, unless ``local_from="buckets"`` or the monitor's own arguments, the same everywhere, rule it out).
+    Under ``"auto"`` one rank that cannot read ``.grad`` puts every rank on the comm hook, with a warning.
 
     Raises:
-        ValueError: ``local_from`` is unknown, or ``"grads"`` where the pass cannot run (the message says why).
+        ValueError: ``local_from`` is unknown, or ``"grads"`` where some rank cannot run the pass (here: why).
+    """
+    wants, why_not = choose(model, local_from, direction=direction, exchange=exchange)
+    if local_from == "buckets" or direction != "sketch" or exchange == "carry":
+        if local_from == "grads":
+            raise ValueError(f"local_from='grads' cannot run here: {why_not}")
+        return "comm_hook"
+    import torch
+
+    from healthcheck.measure import distributed
+
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    flags = distributed.all_gather_rows(torch.tensor([float(wants)], device=device), group)[:, 0].tolist()
+    ranks = distributed.group_ranks(group)
+    refusing = [ranks[i] for i, flag in enumerate(flags) if not flag]
+    if not refusing:
+        return "grads"
+    where = f"here: {why_not}" if why_not else f"on rank(s) {', '.join(map(str, refusing))} (each says why)"
+    if local_from == "grads":
+        raise ValueError(f"local_from='grads' cannot run {where}")
+    if len(refusing) < len(flags):
+        import warnings
+
+        warnings.warn(
+            f"local_from='auto': .grad cannot be read {where}, so every rank's monitor uses the comm hook "
+            "(the ranks' sketches must be the same map)",
+            stacklevel=3,
+        )
+    return "comm_hook"
+
+
+def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> tuple[bool, str]:
+    """This rank's own answer: whether it would read ``.grad``, and if not, why ("" under ``"buckets"``).
+
+    Raises:
+        ValueError: ``local_from`` is unknown.
     """
     if local_from not in LOCAL_FROM:
         raise ValueError(f"local_from: expected one of {LOCAL_FROM}, got {local_from!r}")
     if local_from == "buckets":
-        return False
+        return False, ""
     blocker = _blocker(model, direction, exchange)
-    if blocker and local_from == "grads":
-        raise ValueError(f"local_from='grads' cannot run here: {blocker}")
     if blocker or local_from == "grads":
-        return not blocker
+        return not blocker, blocker
     from healthcheck.measure.sketch import _kernel_for
 
     # "auto": CUDA parameters that the Triton kernel takes (installed, not switched off); _blocker saw one.
     first = next(p for p in model.parameters() if p.requires_grad)
-    return first.is_cuda and _kernel_for(first.detach()) is not None
+    if not first.is_cuda:
+        return False, "the parameters are not on a CUDA device (the host keeps the comm hook's C pass)"
+    if _kernel_for(first.detach()) is None:
+        return False, "no Triton sketch kernel for them (Triton missing, HEALTHCHECK_SKETCH_KERNEL=torch, or a failed kernel)"
+    return True, ""
 
 
 def _blocker(model: Any, direction: str, exchange: str) -> str:

@@ -34,7 +34,7 @@ model; with ``exchange="carry"``, the last bucket and the carried block in one m
 of the local gradient (a host's kept between steps) plus N × ``exact_chunk_numel`` elements per gather, or the file.
 
 Given an FSDP2 root (``fully_shard``) the class returns a :class:`~.fsdp_monitor.FSDPConsistencyMonitor`: the same
-arguments (but ``local_from``), ``end_step`` contract and :class:`~healthcheck.measure.metrics.StepMetrics`.
+arguments (``local_from`` "auto" only), ``end_step`` contract and :class:`~healthcheck.measure.metrics.StepMetrics`.
 
 Usage (every rank runs the same code): ``monitor = WorkerConsistencyMonitor(ddp_model)``, then after each backward
 ``metrics = monitor.end_step(loss, tokens=n_response_tokens)`` (a collective, before ``optimizer.step()``).
@@ -84,7 +84,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
             (sketch mode with ``overlap``: inside the next step's last gradient all-reduce; a rank that fails
             before it takes the step's numbers with it; see :meth:`_carry`).
         local_from: DDP's sketch mode reads the local gradient from "buckets" (the comm hook) or "grads" (``.grad``
-            once a step, no comm hook: :mod:`.local_grads`); "auto": "grads" on CUDA where it can run, else "buckets".
+            once a step, no comm hook: :mod:`.local_grads`); "auto": "grads" where every rank can (CUDA), else "buckets".
         **fsdp_options: FSDP2 only (:class:`~healthcheck.measure.fsdp_monitor.FSDPConsistencyMonitor`).
 
     Raises:
@@ -149,10 +149,10 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         self._plans = BucketPlans(self._sketcher.dim if self._sketcher else sketch_dim, seed)  # the one-pass sketch
         self._carried: InFlight | None = None  # the step whose rows ride on the all-reduce now in flight
         self._release: tuple[float, tuple[int, float] | None] | None = None  # set when DDP's reduction ended (host)
-        # Sketch mode on a GPU: DDP keeps its C++ all-reduce and the monitor reads .grad once a step (local_grads.py).
-        grads = local_grads.choose(model, local_from, direction=direction, exchange=exchange)
+        self.gradient_source = local_grads.gradient_source(model, local_from, direction=direction, exchange=exchange, group=self._group)
+        grads = self.gradient_source == "grads"  # or "comm_hook"; the same on every rank (local_grads.py)
         self._local_pass = local_grads.LocalGradientPass(self, model, k=self._plans.k, seed=seed) if grads else None
-        if self._local_pass is None:
+        if not grads:
             model.register_comm_hook(state=self, hook=_consistency_hook)
         self._model: Any = model  # None once closed
         # DDP's forward broadcasts the buffers from rank 0, a wait inside the step (wait_clock.py); private: may be absent.

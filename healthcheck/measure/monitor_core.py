@@ -34,6 +34,10 @@ class ConsistencyMonitor:
     model's tensor dimensions (the sketch's prime divides none of them).
     """
 
+    #: Where each rank's local gradient is read, the same on every rank: "grads" (``.grad``, an autograd callback
+    #: before DDP's finalize), "comm_hook" (DDP's buckets) or "reduce_scatter" (FSDP2's hooks); in result.json.
+    gradient_source = "comm_hook"
+
     def __init__(
         self,
         *,

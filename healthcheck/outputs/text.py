@@ -95,10 +95,21 @@ def check_rows(verdict: Verdict) -> list[tuple[Finding, tuple[str, ...]]]:
     ]
 
 
+#: How the run line names :attr:`.RankInfo.gradient_source` (where the monitor read each rank's local gradient).
+SOURCES = {
+    "grads": ", gradients from .grad",
+    "comm_hook": ", gradients from the comm hook",
+    "reduce_scatter": ", gradients from the reduce-scatter",
+}
+
+
 def run_line(result: RunResult, separator: str = " · ") -> str:
     """One line on where and how the probe ran: ranks, devices, steps, wall time, config fingerprint."""
     env = result.environment
-    where = f"{env.world_size} ranks ({env.device_type}/{env.backend}, {env.nnodes} node{'s' * (env.nnodes > 1)})" if env else ""
+    where = ""
+    if env:
+        source = SOURCES.get(env.ranks[0].gradient_source or "", "") if env.ranks else ""
+        where = f"{env.world_size} ranks ({env.device_type}/{env.backend}, {env.nnodes} node{'s' * (env.nnodes > 1)}{source})"
     parts = [
         f"probe {result.name}",
         where,

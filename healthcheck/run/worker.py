@@ -221,6 +221,7 @@ def _train(
             every=config.metrics.every,
             seed=config.train.seed,
             reduction_every=config.metrics.reduction_check_every,
+            local_from=config.metrics.local_from,
         )
         install_faults(model, rank_config.faults, step_marker)
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
@@ -235,6 +236,7 @@ def _train(
             sampler_rank=plan.rank,
             sampler_replicas=plan.replicas,
             precision=rank_config.train.precision,
+            gradient_source=monitor.gradient_source,
             **seeds,
         )
         all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(rank_info.model_dump())]

@@ -4,8 +4,9 @@
 
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
-comm-hook (registers its own DDP communication hook); spawn (starts its own workers with
-torch.multiprocessing.spawn). Knows nothing about healthcheck.
+comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only);
+bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
+Knows nothing about healthcheck.
 """
 
 import argparse
@@ -32,8 +33,8 @@ def main():
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     if mode != "no-ddp":
-        model = DDP(model)
-    if mode == "comm-hook":
+        model = DDP(model, gradient_as_bucket_view=mode == "bucket-view")
+    if mode == "comm-hook" and value in ("", str(rank)):  # comm-hook=R: rank R only
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)

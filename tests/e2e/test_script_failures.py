@@ -74,6 +74,33 @@ def test_a_script_that_cannot_be_probed_is_exit_2_on_one_line(tmp_path, mode, ex
     assert no_workers_left()
 
 
+def test_a_scripts_comm_hook_is_left_to_it_when_the_monitor_reads_grad(tmp_path):
+    # metrics.local_from=grads (the default on CUDA): no comm hook of the monitor's, so DDP's one slot is the script's.
+    done, out = probe(tmp_path, "comm-hook", "--set", "metrics.local_from=grads")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert [rank["gradient_source"] for rank in result["environment"]["ranks"]] == ["grads", "grads"]
+    assert "gradients from .grad" in done.stdout
+    reduction = result["audits"]["reduction_numerics"]
+    assert reduction["passed"] and reduction["checked_steps"], reduction  # the script's allreduce_hook: DDP's own sum
+    # One rank with a comm hook the other has not: the environment audit names it (allreduce_hook reduces as DDP does,
+    # so the run itself goes on; a compressing hook on one rank would reduce other numbers).
+    done, out = probe(tmp_path / "one", "comm-hook=1", "--set", "metrics.local_from=grads", "--set", "distributed.nproc=3")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    environment = json.loads((out / "result.json").read_text())["audits"]["environment"]
+    assert environment["ranks"] == [1], environment
+    assert environment["message"] == "ddp.comm_hook differs: ranks 0, 2 none; rank 1 allreduce_hook", environment
+
+
+def test_a_gradient_source_the_scripts_model_cannot_take_is_exit_2(tmp_path):
+    # With gradient_as_bucket_view, .grad is the bucket DDP averages. Known only once the script builds its DDP.
+    done, _ = probe(tmp_path, "bucket-view", "--set", "metrics.local_from=grads")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert error_line(done) == ("healthcheck: error: metrics: local_from='grads' cannot run here: with "
+                                "gradient_as_bucket_view, .grad is the bucket DDP is averaging")
+    assert no_workers_left()
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

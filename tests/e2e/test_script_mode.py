@@ -72,6 +72,8 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     assert result["config"]["script"]["path"].endswith(f"{name}.py")
     assert result["loss_note"] is None, result["loss_note"]
     assert result["environment"]["world_size"] == 4
+    # Exact mode on the host: the comm hook reads DDP's buckets (test_script_grads.py takes the .grad path).
+    assert {rank["gradient_source"] for rank in result["environment"]["ranks"]} == {"comm_hook"}
     audits = result["audits"]
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
     assert audits["data_shards"]["measured"] and audits["data_shards"]["samples_per_rank"][0] >= STEPS
@@ -106,16 +108,20 @@ def test_global_loss_from_the_rows_equals_the_frameworks_own_logged_loss(client_
     assert compared >= STEPS - 1, f"{name}: only {compared} logged steps to compare ({sorted(own)})"
 
 
+def reference_metrics(dump: Path, step: int, ranks: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 reference at ``step`` (:mod:`tests.e2e.with_gradient_reference`): each rank's gradient norm and
+    cosine to the mean, and the pairwise cosines."""
+    local = torch.stack([torch.load(dump / f"rank{r}-step{step}.pt") for r in range(ranks)])
+    norms, mean = local.norm(dim=1), local.mean(dim=0)
+    return norms, (local @ mean) / (norms * mean.norm()), (local @ local.T) / (norms[:, None] * norms[None, :])
+
+
 def test_gradient_metrics_equal_a_float64_reference(client_run):
     name, _, out, _, dump = client_run
     rows = read_rows(out / "steps.jsonl")
     aggregates = {a["step"]: a for a in read_rows(out / "aggregates.jsonl")}
     for step in range(STEPS):
-        local = torch.stack([torch.load(dump / f"rank{r}-step{step}.pt") for r in range(4)])
-        norms = local.norm(dim=1)
-        mean = local.mean(dim=0)
-        cosine = (local @ local.T) / (norms[:, None] * norms[None, :])
-        to_mean = (local @ mean) / (norms * mean.norm())
+        norms, to_mean, cosine = reference_metrics(dump, step)
         by_rank = {r["rank"]: r for r in rows if r["step"] == step}
         for rank in range(4):
             assert by_rank[rank]["grad_norm"] == pytest.approx(float(norms[rank]), rel=1e-5), (name, step, rank)

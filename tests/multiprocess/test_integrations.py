@@ -66,7 +66,7 @@ def trainer_worker(output_dir: str, options: dict) -> dict:
     )
     model = AutoModelForCausalLM.from_config(PRESETS["tiny-gpt2"][1](len(tokenizer), SEQ_LEN))
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=_collate)
-    callback = HealthcheckCallback.attach(trainer, sketch_dim=256, **options)
+    callback = HealthcheckCallback.attach(trainer, **{"sketch_dim": 256, **options})
     trainer.train()
     return {
         "log_history": trainer.state.log_history,
@@ -114,17 +114,30 @@ def test_callback_logs_consistency_metrics_through_the_trainer(tmp_path):
 @pytest.mark.multiprocess
 def test_callback_measures_a_trainer_that_compiles_its_model(tmp_path):
     # TrainingArguments(torch_compile=True): accelerate wraps the DDP model in torch.compile, and the loss runs in
-    # the compiled graph (aot_eager: dynamo's tracing without a C++ compile per rank).
-    out = launcher.launch_local(trainer_worker, 2, (str(tmp_path), {"torch_compile_backend": "aot_eager"}),
-                                run_id="hc-callback-compiled")
-    rows = _healthcheck_rows(out[0]["log_history"])
-    trainer_rows = [row for row in out[0]["log_history"] if "grad_norm" in row]
-    assert out[0]["global_step"] == MAX_STEPS and [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
-    for ours, theirs in zip(rows, trainer_rows, strict=True):
-        assert ours["healthcheck/tokens_total"] == 2 * LOSS_TOKENS_PER_STEP
-        assert ours["healthcheck/mean_grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
-        assert ours["healthcheck/loss_mean"] == pytest.approx(theirs["loss"], rel=0.06)
-    assert _healthcheck_rows(out[1]["log_history"]) == rows
+    # the compiled graph (aot_eager: dynamo's tracing without a C++ compile per rank). Both ways of reading the local
+    # gradient: the comm hook (the host's default) and .grad (a GPU's, local_grads.py), whose forward hook on the DDP
+    # model runs under dynamo: the same training, so the exact statistics agree and the sketched ones nearly.
+    measured = {}
+    for local_from in ("buckets", "grads"):
+        out = launcher.launch_local(trainer_worker, 2, (str(tmp_path / local_from), {"torch_compile_backend": "aot_eager",
+                                                                                      "local_from": local_from,
+                                                                                      "sketch_dim": 4096}),
+                                    run_id=f"hc-callback-compiled-{local_from}")
+        rows = _healthcheck_rows(out[0]["log_history"])
+        trainer_rows = [row for row in out[0]["log_history"] if "grad_norm" in row]
+        assert out[0]["global_step"] == MAX_STEPS and [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+        for ours, theirs in zip(rows, trainer_rows, strict=True):
+            assert ours["healthcheck/tokens_total"] == 2 * LOSS_TOKENS_PER_STEP
+            assert ours["healthcheck/mean_grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+            assert ours["healthcheck/loss_mean"] == pytest.approx(theirs["loss"], rel=0.06)
+        assert _healthcheck_rows(out[1]["log_history"]) == rows
+        measured[local_from] = rows
+    for hook, grads in zip(measured["buckets"], measured["grads"], strict=True):
+        for exact in ("loss_std", "grad_norm_std", "grad_norm_cv", "mean_grad_norm"):  # each rank's own ‖g_i‖, both ways
+            assert grads[f"healthcheck/{exact}"] == pytest.approx(hook[f"healthcheck/{exact}"], rel=1e-4, abs=1e-7), exact
+        # Two draws of the sketch (each tensor its own bucket on the .grad path), |Δcos| std <= sqrt(2/4093) each: 5 sigma
+        # of the difference. A sketch of the averaged gradient would read 1.
+        assert abs(grads["healthcheck/cosine_mean"] - hook["healthcheck/cosine_mean"]) < 0.15
 
 
 @pytest.mark.multiprocess

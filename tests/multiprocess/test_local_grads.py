@@ -44,12 +44,41 @@ def _host_worker() -> None:
         assert all(min(m.per_rank_extras["reduction_rel_error"]) > 0 for m in checked), [m.per_rank_extras for m in checked]
         _check_reduction_after_clipping()
         _check_the_outputs_are_not_kept()
+        _check_the_ranks_agree()
         for bucket_view, direction, match in ((True, "sketch", "gradient_as_bucket_view"), (False, "exact", "exact mode")):
             ddp, _ = _make_ddp(torch.float32, bucket_view)
             with pytest.raises(ValueError, match=match):
                 WorkerConsistencyMonitor(ddp, direction=direction, local_from="grads")
     finally:
         distributed.destroy_distributed()
+
+
+def _check_the_ranks_agree() -> None:
+    """Every rank reads its gradient the same way (the two paths' sketches are different maps): one rank that cannot
+    read .grad puts every rank on the comm hook under "auto" (a warning), and makes every rank refuse "grads"; none
+    hangs in a collective the others skipped."""
+    from healthcheck.measure import local_grads
+
+    rank = distributed.rank()
+    ddp, _ = _make_ddp(torch.float32, rank == 1)  # rank 1 alone shares .grad with DDP's buckets
+    message = "here: with gradient_as_bucket_view" if rank == 1 else r"on rank\(s\) 1 \(each says why\)"
+    with pytest.raises(ValueError, match=f"local_from='grads' cannot run {message}"):
+        WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="grads")
+    # "auto" where only rank 0 would read .grad (as a CUDA rank with Triton among ranks without it would).
+    own = local_grads.choose
+    local_grads.choose = lambda *args, **kwargs: (True, "") if rank == 0 else (False, "no kernel on this rank")
+    try:
+        ddp, _ = _make_ddp(torch.float32, False)
+        with pytest.warns(UserWarning, match="every rank's monitor uses the comm hook"):
+            monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="auto")
+    finally:
+        local_grads.choose = own
+    assert monitor.gradient_source == "comm_hook" and monitor._local_pass is None
+    monitor.close()
+    ddp, _ = _make_ddp(torch.float32, False)
+    monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="grads")
+    assert monitor.gradient_source == "grads"
+    monitor.close()
 
 
 def _check_the_outputs_are_not_kept() -> None:

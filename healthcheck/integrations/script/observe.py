@@ -347,8 +347,8 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
     }
 
 
-def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankInfo, Any]:
-    """This rank's :class:`RankInfo` from the first training forward's facts and its sampler, and its device."""
+def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan], monitor: Any) -> tuple[RankInfo, Any]:
+    """This rank's :class:`RankInfo` from the first training forward's facts, its sampler and monitor; its device."""
     import torch
 
     from healthcheck.measure import distributed as hdist
@@ -364,6 +364,7 @@ def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan]) -> tuple[RankI
         sampler_rank=plan.rank if plan else None,
         sampler_replicas=plan.num_replicas if plan else None,
         precision=facts.get("precision", "unknown"),
+        gradient_source=getattr(monitor, "gradient_source", None),
     ), device
 
 
@@ -394,6 +395,16 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     return facts
 
 
+def _script_comm_hook(model: Any) -> str:
+    """The comm hook the script registered (where the monitor reads .grad), as DDP's logging names it; "none" without
+    one, or where the monitor's hook holds DDP's slot. A rank that compresses its buckets reduces other numbers."""
+    try:
+        name = model._get_ddp_logging_data().get("comm_hook")  # private, as in every torch that has DDP's logger
+    except (AttributeError, RuntimeError):
+        return "?"
+    return "none" if name in (None, "", "_consistency_hook") else str(name)
+
+
 def wrapper_facts(model: Any) -> dict[str, str]:
     """Settings of the data-parallel wrapper that change how gradients are reduced (DDP or FSDP2)."""
     from healthcheck.measure.fsdp_internals import is_fsdp_module, root_facts
@@ -401,6 +412,7 @@ def wrapper_facts(model: Any) -> dict[str, str]:
     if is_fsdp_module(model):
         return root_facts(model)
     return {
+        "ddp.comm_hook": _script_comm_hook(model),
         "ddp.bucket_bytes_cap": str(getattr(model, "bucket_bytes_cap", "?")),
         "ddp.find_unused_parameters": str(getattr(model, "find_unused_parameters", "?")),
         "ddp.gradient_as_bucket_view": str(getattr(model, "gradient_as_bucket_view", "?")),

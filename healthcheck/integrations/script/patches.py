@@ -103,7 +103,8 @@ def install(session: Any) -> Patches:
             if session.owns_comm_hook(self):
                 raise InvalidInput(
                     "the script registers its own DDP communication hook (DistributedDataParallel allows one), and "
-                    "healthcheck's monitor holds it; probe the script with its default all-reduce (no comm hook)"
+                    "healthcheck's monitor holds it; probe it with --set metrics.local_from=grads (the monitor reads "
+                    ".grad and leaves the hook to the script; the default on CUDA) or without its comm hook"
                 )
             return original(self, *args, **kwargs)
 

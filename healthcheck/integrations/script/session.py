@@ -81,18 +81,15 @@ class ScriptSession:
         self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self.audit: Optional[AuditRecorder] = None
-        self.steps_done = 0
-        self.complete = False
+        self.steps_done, self.complete = 0, False
         self.report: Optional[WorkerReport] = None
         self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
         self.forwards = TrainingForwards(self._first_forward_facts)
         self._param_ids: set[int] = set()
-        self._registering = False
-        self._depth = 0
+        self._registering, self._depth = False, 0
         self._loss_problem: Optional[str] = None
         self._all_ranks: list[RankInfo] = []
-        self._first_step_at = 0.0
-        self._train_started = 0.0
+        self._first_step_at = self._train_started = 0.0
         self._last_post = time.perf_counter()
         self._step_audits = StepAudits()
         self._grad_start: Optional[GradientStart] = None  #: were the gradients cleared before each step's backward
@@ -158,15 +155,18 @@ class ScriptSession:
         from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
         metrics = self.config.metrics
-        # The sketch map must be identical on every rank: it is seeded from the probe's config.
-        return WorkerConsistencyMonitor(
-            model,
-            direction=metrics.direction,
-            sketch_dim=metrics.sketch_dim,
-            every=metrics.every,
-            seed=self.config.train.seed,
-            reduction_every=metrics.reduction_check_every,
-        )
+        try:  # the sketch map must be identical on every rank: it is seeded from the probe's config
+            return WorkerConsistencyMonitor(
+                model,
+                direction=metrics.direction,
+                sketch_dim=metrics.sketch_dim,
+                every=metrics.every,
+                seed=self.config.train.seed,
+                reduction_every=metrics.reduction_check_every,
+                local_from=metrics.local_from,
+            )
+        except ValueError as error:  # a metrics setting the script's model cannot take (local_from=grads): bad input
+            raise InvalidInput(f"metrics: {error}") from None
 
     def before_fully_shard(self, module: Any) -> None:
         """``fully_shard(module)`` is about to run (see :class:`.ShardedRoot`)."""
@@ -216,7 +216,7 @@ class ScriptSession:
         if self.fsdp.fact is not None:
             self.audit.extra[LOCKSTEP] = self.fsdp.fact
         loader = self.loaders.training_loader()
-        info, _ = observe.rank_info(facts, loader.plan if loader else None)
+        info, _ = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
         self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
         self._first_step_at, self._train_started = time.time(), time.perf_counter()
         self.fail_fast.cannot_continue(0, "environment", outcome.message)
@@ -228,8 +228,8 @@ class ScriptSession:
         return self.monitor.waiting() if self.monitor is not None else contextlib.nullcontext()
 
     def owns_comm_hook(self, ddp: Any) -> bool:
-        """True when a comm hook registration on ``ddp`` would take the monitor's slot."""
-        return ddp is self.model and not self._registering
+        """True when a comm hook registration on ``ddp`` would take the monitor's slot (it reads DDP's buckets)."""
+        return ddp is self.model and not self._registering and self.monitor.gradient_source == "comm_hook"
 
     def on_process_group(self) -> None:
         self.hooks.on_process_group()
@@ -333,7 +333,7 @@ class ScriptSession:
             self.audit.rng["rng_start"] = facts["rng"]
         self.audit.hints = dict(facts.get("hooks", {}))
         plan = loader.plan if loader else None
-        rank_info, device = observe.rank_info(facts, plan)
+        rank_info, device = observe.rank_info(facts, plan, self.monitor)
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and
         # the first step's DataLoader indices.
         early = RankEvidence(

@@ -59,6 +59,19 @@ def test_rank_override_outside_world():
     assert "rank_overrides: rank 4 is outside the world (nproc=4)" in message
 
 
+def test_a_gradient_source_the_config_rules_out_is_refused():
+    assert load_config(None, ["metrics.local_from=grads"]).metrics.local_from == "grads"
+    assert load_config(None, ["metrics.local_from=buckets", "metrics.direction=exact"]).metrics.local_from == "buckets"
+    refused = {
+        ("metrics.local_from=grads", "metrics.direction=exact"): "'grads' is for sketch mode",
+        ("metrics.local_from=grads", "distributed.gradient_as_bucket_view=true"): "with distributed.gradient_as_bucket_view",
+        ("metrics.local_from=buckets", "distributed.strategy=fsdp"): "distributed.strategy=fsdp takes 'auto'",
+        ("metrics.local_from=grad",): "metrics.local_from: Input should be 'auto', 'buckets' or 'grads'",
+    }
+    for sets, expected in refused.items():
+        assert expected in error_of(None, list(sets)), sets
+
+
 def test_rank_override_bad_field_is_named():
     assert "rank_overrides.1.train.sed: unknown key" in error_of(None, ["rank_overrides={1: {train: {sed: 1}}}"])
     assert "cannot override distributed" in error_of(None, ["rank_overrides={1: {distributed: {nproc: 3}}}"])

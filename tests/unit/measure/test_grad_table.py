@@ -15,14 +15,14 @@ import textwrap
 import pytest
 import torch
 
-from healthcheck.measure.local_grads import HostTable, _blocker, choose
+from healthcheck.measure.local_grads import HostTable, _blocker, choose, gradient_source
 from healthcheck.measure.sketch import sketch_bucket
 
 INTERPRETED = textwrap.dedent(
     """
     import torch
     from healthcheck.measure.grad_table import GradTable
-    from healthcheck.measure.local_grads import HostTable
+    from healthcheck.measure.local_grads import gradient_source, HostTable
     from healthcheck.measure.sketch import sketch_bucket
 
     sizes = [70_001, 3, 0, 65_488 * 2, 1_000]  # a partial segment, a tiny tensor, an empty one, full segments
@@ -79,16 +79,20 @@ def test_the_pass_is_refused_where_it_cannot_read_the_local_gradient():
     cases = {"exact mode": dict(direction="exact", exchange="auto"), "carry": dict(direction="sketch", exchange="carry")}
     for reason, options in cases.items():
         assert reason.split()[0] in _blocker(_ddp_like(), **options).lower(), reason
-        with pytest.raises(ValueError, match="local_from='grads' cannot run here"):
-            choose(_ddp_like(), "grads", **options)
-        assert choose(_ddp_like(), "auto", **options) is False
+        assert choose(_ddp_like(), "grads", **options) == (False, _blocker(_ddp_like(), **options))
+        # The monitor's own arguments rule the pass out on every rank alike: no collective, and "grads" says why.
+        with pytest.raises(ValueError, match="local_from='grads' cannot run here: .*" + reason.split()[0]):
+            gradient_source(_ddp_like(), "grads", **options)
+        assert gradient_source(_ddp_like(), "auto", **options) == "comm_hook"
     plain = dict(direction="sketch", exchange="auto")
     assert "gradient_as_bucket_view" in _blocker(_ddp_like(gradient_as_bucket_view=True), **plain)
     mixed = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     assert "one dtype" in _blocker(_ddp_like(params=mixed), **plain)
-    assert choose(_ddp_like(), "grads", **plain) is True
-    assert choose(_ddp_like(), "auto", **plain) is False  # a host model keeps the hook's C pass
-    assert choose(_ddp_like(), "buckets", **plain) is False
+    assert choose(_ddp_like(), "grads", **plain) == (True, "")
+    wants, why_not = choose(_ddp_like(), "auto", **plain)  # a host model keeps the hook's C pass
+    assert not wants and "not on a CUDA device" in why_not
+    assert choose(_ddp_like(), "buckets", **plain) == (False, "")
+    assert gradient_source(_ddp_like(), "buckets", **plain) == "comm_hook"
     with pytest.raises(ValueError, match="local_from: expected one of"):
         choose(_ddp_like(), "both", **plain)
 
