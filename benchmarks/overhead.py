@@ -342,18 +342,32 @@ def summarize(
     (1.043, 0.838)
     """
     plain_median, monitored_median = statistics.median(_flat(plain)), statistics.median(_flat(monitored))
+    ratio, ci90, paired = paired_ratio(plain, monitored, seed=seed)
+    cpu_ratio = statistics.median(_flat(monitored_cpu or monitored)) / statistics.median(_flat(plain_cpu or plain))
+    return Row(model, world, mode, plain_median, monitored_median, ratio, ci90, paired, cpu_ratio)
+
+
+def paired_ratio(
+    plain: list[list[float]], monitored: list[list[float]], seed: int = 0, of: Any = statistics.median
+) -> tuple[float, tuple[float, float], float]:
+    """``of(monitored) / of(plain)`` over every step, its 90% interval from a bootstrap over rounds, and the median
+    over rounds of the per-round ratio of block means. One block of step times per arm and round, rounds aligned.
+
+    >>> ratio, ci90, paired = paired_ratio([[10.0, 10.0], [10.0, 10.0]], [[11.0, 11.0], [11.0, 11.0]])
+    >>> round(ratio, 6), [round(x, 6) for x in ci90], round(paired, 6)
+    (1.1, [1.1, 1.1], 1.1)
+    """
     rng = random.Random(seed)
     rounds = range(len(plain))
     ratios = []
     for _ in range(BOOTSTRAP_RESAMPLES):
         # Resample whole rounds, keeping each round's blocks paired: drift is shared within a round.
         picked = rng.choices(rounds, k=len(plain))
-        ratios.append(statistics.median(_flat([monitored[r] for r in picked])) / statistics.median(_flat([plain[r] for r in picked])))
+        ratios.append(of(_flat([monitored[r] for r in picked])) / of(_flat([plain[r] for r in picked])))
     ratios.sort()
     ci90 = (ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1])
     paired = statistics.median(statistics.fmean(m) / statistics.fmean(p) for m, p in zip(monitored, plain, strict=True))
-    cpu_ratio = statistics.median(_flat(monitored_cpu or monitored)) / statistics.median(_flat(plain_cpu or plain))
-    return Row(model, world, mode, plain_median, monitored_median, monitored_median / plain_median, ci90, paired, cpu_ratio)
+    return of(_flat(monitored)) / of(_flat(plain)), ci90, paired
 
 
 def render_table(rows: list[Row]) -> str:

@@ -64,12 +64,18 @@ def test_hook_cost_smoke_run_on_cpu(capsys):
     with loaded_script("hook_cost") as hook_cost:
         results = hook_cost.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128",
                                   "--heads", "4", "--vocab", "256", "--seq", "32", "--steps", "2", "--warmup", "1", "--pieces",
-                                  "--local-from", "grads"])
+                                  "--local-from", "grads", "--rounds", "3"])
     arms = ["plain", "hook-only", "sketch", "sketch-buckets", "sketch-torch", "exact"]
     assert list(results) == arms and all(r["step_ms"] > 0 for r in results.values())
+    assert all(len(r["blocks"]) == 3 and all(len(block) == 2 for block in r["blocks"]) for r in results.values())
     out = capsys.readouterr().out
     table = out.splitlines()
-    assert [line.split(" | ")[0] for line in table[-6:]] == [f"| {arm}" for arm in arms]
+    rows = [line.split(" | ")[0] for line in table if line.startswith("| ") and not line.startswith("| arm")]
+    assert rows == [f"| {arm}" for arm in arms]
+    # Each monitored arm's cost against the plain arm of the same rounds, with an interval from 3 rounds, and the target.
+    costs = [line for line in table if " cost " in line and "90% interval" in line]
+    assert [line.split(":")[0] for line in costs] == arms[1:], costs
+    assert any(line.startswith("target sketch <= 1% of the plain step: ") for line in table)
     # --pieces timed the monitor's code in the monitored arms, and put the methods back afterwards.
     # The sketch arm read .grad with no comm hook (--local-from grads): its two callbacks, before DDP's finalize and
     # after it, ran; sketch-buckets' hook sketched each bucket.
