@@ -4,7 +4,8 @@
 
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
-comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only);
+comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
+(torch's fp16_compress_hook on every rank);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
 """
@@ -38,6 +39,10 @@ def main():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
+    if mode == "fp16-hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

@@ -90,6 +90,13 @@ def test_a_scripts_comm_hook_is_left_to_it_when_the_monitor_reads_grad(tmp_path)
     environment = json.loads((out / "result.json").read_text())["audits"]["environment"]
     assert environment["ranks"] == [1], environment
     assert environment["message"] == "ddp.comm_hook differs: ranks 0, 2 none; rank 1 allreduce_hook", environment
+    # A compressing hook on every rank: the same hook everywhere, and an all-reduce lossy by design, which the
+    # reduction check reports as such (README: metrics.reduction_check_every=0 accepts it).
+    done, out = probe(tmp_path / "fp16", "fp16-hook", "--set", "metrics.local_from=grads", "--set", "metrics.reduction_check_every=1")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert audits["environment"]["passed"] and not audits["reduction_numerics"]["passed"], audits["environment"]
+    assert "a lossy reduction (e.g. bf16 compression)" in audits["reduction_numerics"]["message"]
 
 
 def test_a_gradient_source_the_scripts_model_cannot_take_is_exit_2(tmp_path):
