@@ -214,11 +214,12 @@ def run_rounds(arms: list[str], base_state: dict, args: argparse.Namespace, devi
             row = run_arm(arm, base_state, args, device)
             blocks[arm].append([t * 1000 for t in row["times"]])
             peaks[arm] = row
-    return {
-        arm: {"step_ms": statistics.median(overhead._flat(b)), "mean_ms": statistics.fmean(overhead._flat(b)), "blocks": b,
-              **{k: peaks[arm][k] for k in ("peak_gib", "resident_gib", "in_step_gib")}}
-        for arm, b in blocks.items()
-    }
+    results = {}
+    for arm, arm_blocks in blocks.items():
+        steps = overhead._flat(arm_blocks)
+        results[arm] = {"step_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps), "blocks": arm_blocks,
+                        **{k: peaks[arm][k] for k in ("peak_gib", "resident_gib", "in_step_gib")}}
+    return results
 
 
 def cost_lines(results: dict[str, dict[str, Any]], rounds: int) -> list[str]:

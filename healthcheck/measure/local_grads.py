@@ -27,8 +27,9 @@ pass in the hook.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
+
+from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: ``WorkerConsistencyMonitor(local_from=...)``: where sketch mode reads the local gradient.
 LOCAL_FROM = ("auto", "buckets", "grads")
@@ -48,7 +49,7 @@ def gradient_source(model: Any, local_from: str, *, direction: str, exchange: st
         ValueError: ``local_from`` is unknown, or ``"grads"`` where some rank cannot run the pass (here: why).
     """
     wants, why_not = choose(model, local_from, direction=direction, exchange=exchange)
-    if local_from == "buckets" or direction != "sketch" or exchange == "carry":
+    if local_from == "buckets" or _ruled_out(direction, exchange):
         if local_from == "grads":
             raise ValueError(f"local_from='grads' cannot run here: {why_not}")
         return "comm_hook"
@@ -100,12 +101,20 @@ def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> tup
     return True, ""
 
 
-def _blocker(model: Any, direction: str, exchange: str) -> str:
-    params = [p for p in model.parameters() if p.requires_grad]
+def _ruled_out(direction: str, exchange: str) -> str:
+    """Why the monitor's own arguments, the same on every rank, rule the pass out ("" where they do not)."""
     if direction != "sketch":
         return "exact mode keeps each bucket's local copy in the comm hook"
     if exchange == "carry":
         return "exchange='carry' rides on the last bucket's all-reduce"
+    return ""
+
+
+def _blocker(model: Any, direction: str, exchange: str) -> str:
+    ruled_out = _ruled_out(direction, exchange)
+    if ruled_out:
+        return ruled_out
+    params = [p for p in model.parameters() if p.requires_grad]
     if getattr(model, "gradient_as_bucket_view", False):
         return "with gradient_as_bucket_view, .grad is the bucket DDP is averaging"
     if not params or any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
@@ -136,7 +145,7 @@ class LocalGradientPass:
         self._disarm()  # a forward whose backward never came
         if not (torch.is_grad_enabled() and module.require_backward_grad_sync and self._monitor._sampling()):
             return  # no backward, a no_sync micro-step, or a step the monitor does not sample
-        self._armed = [tensor.register_hook(self._start) for tensor in _grad_tensors(output)]
+        self._armed = [tensor.register_hook(self._start) for tensor in differentiable_tensors(output)]
 
     def _start(self, grad: Any) -> None:
         from torch.autograd import Variable
@@ -219,23 +228,3 @@ class HostTable:
 
     def mean_squares(self, tensors: list[Any]) -> float:
         return float(sum(float(t.double().square().sum()) for t in tensors[self.rank :: self.world] if t is not None))
-
-
-def _grad_tensors(output: Any) -> list[Any]:
-    """The tensors in a forward's output (a tensor, a tuple or list, a mapping such as a ``ModelOutput``) that the
-    backward will reach.
-
-    >>> import torch
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> [t.shape for t in _grad_tensors({"loss": (w * 2).sum(), "logits": [w * 3, torch.zeros(1)]})]
-    [torch.Size([]), torch.Size([2])]
-    """
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _grad_tensors(item)]
-    return []

@@ -82,8 +82,7 @@ def pack(
         # On the host a scalar read costs nothing: one tensor from Python floats beats a dozen small ops.
         header = [float("nan") if v is None else float(v.detach() if hasattr(v, "detach") else v) for v in values]
         return host_vectors.pack(header, sketch), names
-    else:
-        parts = [device_column(values, device)]
+    parts = [device_column(values, device)]
     if sketch is not None:
         bits = sketch.to(device=device, dtype=torch.float32).reshape(-1)
         if bits.numel() % 2:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.eager import eager
-from healthcheck.integrations.script.replay_batch import differentiable_tensors
+from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: How deep the output is searched for tensors (a ModelOutput, a tuple of them, a dict of losses).
 _OUTPUT_DEPTH = 3

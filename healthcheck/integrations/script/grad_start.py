@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from healthcheck.integrations.eager import eager
-from healthcheck.integrations.script.replay_batch import differentiable_tensors
+from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: Parameters watched after the first step: a few, in case one of them got no gradient in a step.
 WATCHED = 3

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from healthcheck.integrations.eager import eager
+from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: Keys under which the positional arguments of the forward are kept (``__arg0``, ``__arg1``, ...).
 _ARG_PREFIX = "__arg"
@@ -82,24 +83,3 @@ def output_surrogate(output: Any) -> Any:
     if not found:
         raise ValueError("the script's model returned no loss and no differentiable floating-point output to replay")
     return torch.stack([t.float().square().mean() for t in found]).sum()
-
-
-def differentiable_tensors(value: Any, depth: int) -> list[Any]:
-    """The floating tensors that require grad in a model's output (a tensor, or inside tuples, lists, dicts and
-    ``ModelOutput``s, ``depth`` containers deep); also what :mod:`.forwards` watches for a backward.
-
-    >>> import torch
-    >>> [t.shape[0] for t in differentiable_tensors({"loss": torch.zeros(1, requires_grad=True), "ids": (torch.zeros(2), "x")}, 3)]
-    [1]
-    """
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() and value.requires_grad else []
-    if depth == 0:
-        return []
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in differentiable_tensors(item, depth - 1)]
-    return []
