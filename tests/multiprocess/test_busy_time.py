@@ -7,6 +7,11 @@ its loss "for logging" after ``end_step`` (inside ``monitor.waiting()``, as scri
 collectives), there. Before the wait clock, the rank that waited for it in the broadcast was named instead:
 busy_ms started at ``end_step`` and counted the waits inside the step.
 
+The model is sized so that a rank's own work is ~30 ms a step (this host). A rank that blocked in the broadcast
+pays a wake-up cost of its own when it resumes (a cold cache; on a VM, a vCPU that went idle), which stays in its
+busy_ms: with the 2 ms steps of an earlier model, the rank that waited read 1.00-1.10x here and 1.52x in 20/20 steps
+on CI's host, and was named beside the slow rank. At ~10 ms it read 0.99-1.02x, at ~30 ms 0.98x.
+
     python -m pytest tests/multiprocess/test_busy_time.py -q
 """
 
@@ -24,14 +29,15 @@ from healthcheck.run import launcher
 
 WORLD = 4
 STEPS = 22
-PAUSE_S = 0.04
+PAUSE_S = 0.1
+FEATURES, HIDDEN, BATCH = 256, 1024, 1024
 
 
 class _WithBuffer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
-        self.register_buffer("scale", torch.ones(64))  # DDP broadcasts it in every forward
+        self.body = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, FEATURES))
+        self.register_buffer("scale", torch.ones(FEATURES))  # DDP broadcasts it in every forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x) * self.scale
@@ -57,7 +63,7 @@ def _worker(slow_rank: int, log_loss: bool) -> dict[int, list[float]] | None:
                 busy[metrics.step] = list(metrics.per_rank_extras["busy_ms"])
 
         for _ in range(STEPS):
-            x = torch.randn(256, 64, generator=generator)
+            x = torch.randn(BATCH, FEATURES, generator=generator)
             loss = ddp(x).square().mean()
             loss.backward()
             if rank == slow_rank:
