@@ -41,32 +41,54 @@ def gradient_source(model: Any, local_from: str, *, direction: str, exchange: st
 
     The two paths' sketches are different draws (module docstring), so a rank on one and a rank on the other would
     compare unrelated sketches: cosines near 0 and nothing to say why. A node without Triton, or one rank's model on
-    another dtype, would do that under ``"auto"``, so the ranks agree with one gather of a flag at construction (a
+    another dtype, would do that under ``"auto"``, so the ranks agree with one gather of flags at construction (a
     collective, unless ``local_from="buckets"`` or the monitor's own arguments, the same everywhere, rule it out).
-    Under ``"auto"`` one rank that cannot read ``.grad`` puts every rank on the comm hook, with a warning.
+    Under ``"auto"`` one rank that cannot read ``.grad`` puts every rank on the comm hook, with a warning. A model
+    that already has a comm hook of its own (a script's ``fp16_compress_hook``; DDP holds one) leaves the monitor
+    only ``.grad``: on any rank, it puts every rank there, as ``"grads"`` would.
 
     Raises:
-        ValueError: ``local_from`` is unknown, or ``"grads"`` where some rank cannot run the pass (here: why).
+        ValueError: ``local_from`` is unknown, or ``"grads"`` (or a model's own comm hook) where some rank cannot
+            run the pass (here: why), or ``"buckets"`` (or exact mode, ``exchange="carry"``) with a model's own hook.
     """
     wants, why_not = choose(model, local_from, direction=direction, exchange=exchange)
-    if local_from == "buckets" or _ruled_out(direction, exchange):
+    taken = registered_comm_hook(model)
+    ruled_out = "local_from='buckets'" if local_from == "buckets" else _ruled_out(direction, exchange)
+    if ruled_out:
         if local_from == "grads":
             raise ValueError(f"local_from='grads' cannot run here: {why_not}")
+        if taken:
+            raise ValueError(
+                f"the model already has a DDP comm hook ({taken}) and DDP holds one; the monitor needs that slot with "
+                f"{ruled_out} (use sketch mode, local_from='auto' or 'grads', to read .grad instead)"
+            )
         return "comm_hook"
     import torch
 
     from healthcheck.measure import distributed
 
+    blocker = _blocker(model, direction, exchange)
     device = next(p for p in model.parameters() if p.requires_grad).device
-    flags = distributed.all_gather_rows(torch.tensor([float(wants)], device=device), group)[:, 0].tolist()
+    flags = torch.tensor([float(wants), float(not blocker), float(bool(taken))], device=device)
+    rows = distributed.all_gather_rows(flags, group).tolist()
     ranks = distributed.group_ranks(group)
-    refusing = [ranks[i] for i, flag in enumerate(flags) if not flag]
+    hooked = [ranks[i] for i, row in enumerate(rows) if row[2]]
+    if hooked:  # .grad is the only way left: every rank reads it, or none can run
+        blocked = [ranks[i] for i, row in enumerate(rows) if not row[1]]
+        if not blocked:
+            return "grads"
+        where = f"here: {blocker}" if blocker else f"on rank(s) {', '.join(map(str, blocked))} (each says why)"
+        raise ValueError(
+            f"rank(s) {', '.join(map(str, hooked))} registered a DDP comm hook of their own (DDP holds one), so the "
+            f"monitor must read .grad, which cannot run {where}"
+        )
+    refusing = [ranks[i] for i, row in enumerate(rows) if not row[0]]
     if not refusing:
         return "grads"
     where = f"here: {why_not}" if why_not else f"on rank(s) {', '.join(map(str, refusing))} (each says why)"
     if local_from == "grads":
         raise ValueError(f"local_from='grads' cannot run {where}")
-    if len(refusing) < len(flags):
+    if len(refusing) < len(rows):
         import warnings
 
         warnings.warn(
@@ -75,6 +97,16 @@ def gradient_source(model: Any, local_from: str, *, direction: str, exchange: st
             stacklevel=3,
         )
     return "comm_hook"
+
+
+def registered_comm_hook(model: Any) -> str | None:
+    """The comm hook already registered on a DDP ``model``, as DDP's logging names it; "" without one (the monitor's
+    own counts as none), None where the logging data cannot be read (private, as in every torch with DDP's logger)."""
+    try:
+        name = model._get_ddp_logging_data().get("comm_hook")
+    except (AttributeError, RuntimeError):
+        return None
+    return "" if name in (None, "", "_consistency_hook") else str(name)
 
 
 def choose(model: Any, local_from: str, *, direction: str, exchange: str) -> tuple[bool, str]:

@@ -1,6 +1,9 @@
 """Causal-LM fine-tuning with a plain accelerate loop, gradient accumulation via accelerator.accumulate (CPU, gloo).
 
-torchrun --nproc_per_node 4 -- accelerate_loop.py --model DIR --data JSON --steps 6 --log loss.jsonl
+torchrun --nproc_per_node 4 -- accelerate_loop.py --model DIR --data JSON --steps 6 --log loss.jsonl [--comm-hook fp16]
+
+--comm-hook: accelerate's DistributedDataParallelKwargs(comm_hook=...) (fp16: torch's fp16_compress_hook, registered
+by accelerate right after it wraps the model).
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
 rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
@@ -14,7 +17,7 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,9 +37,11 @@ def main():
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--comm-hook", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
     args = ap.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook))
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs])
     set_seed(1234)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)

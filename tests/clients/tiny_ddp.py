@@ -5,7 +5,8 @@
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
-(torch's fp16_compress_hook on every rank);
+(torch's fp16_compress_hook on every rank); late-comm-hook (allreduce_hook, registered after the first step);
+module-forward (calls the DDP model's .module, so DDP reduces nothing);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
 """
@@ -51,7 +52,12 @@ def main():
         if mode == "raise-at" and step == int(value) and rank == 1:
             raise ValueError(f"bad batch at step {step}")
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        if mode == "late-comm-hook" and step == 1:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        forward = model.module if mode == "module-forward" else model
+        loss = torch.nn.functional.mse_loss(forward(x), y)
         loss.backward()
         if mode != "never-step":
             optimizer.step()

@@ -63,7 +63,8 @@ def test_a_script_that_fails_or_stops_early_is_exit_3_naming_it(tmp_path, mode, 
     ("mode", "expected"),
     [
         ("no-ddp", "before training a DistributedDataParallel or FSDP2 (fully_shard) model"),
-        ("comm-hook", "registers its own DDP communication hook"),
+        ("late-comm-hook", "registers its own DDP communication hook after the model's first forward"),
+        ("module-forward", "stepped its optimizer before a forward through its DistributedDataParallel model"),
         ("spawn", "starts its own worker processes (torch.multiprocessing.spawn)"),
     ],
 )
@@ -75,24 +76,35 @@ def test_a_script_that_cannot_be_probed_is_exit_2_on_one_line(tmp_path, mode, ex
 
 
 def test_a_scripts_comm_hook_is_left_to_it_when_the_monitor_reads_grad(tmp_path):
-    # metrics.local_from=grads (the default on CUDA): no comm hook of the monitor's, so DDP's one slot is the script's.
-    done, out = probe(tmp_path, "comm-hook", "--set", "metrics.local_from=grads")
+    # The script registers its hook before its first forward (as accelerate does right after wrapping): under the
+    # default local_from=auto the monitor, made at that forward, reads .grad on every rank and leaves DDP's one slot
+    # to the script, on the host too.
+    done, out = probe(tmp_path, "comm-hook")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert [rank["gradient_source"] for rank in result["environment"]["ranks"]] == ["grads", "grads"]
     assert "gradients from .grad" in done.stdout
     reduction = result["audits"]["reduction_numerics"]
     assert reduction["passed"] and reduction["checked_steps"], reduction  # the script's allreduce_hook: DDP's own sum
-    # One rank with a comm hook the other has not: the environment audit names it (allreduce_hook reduces as DDP does,
-    # so the run itself goes on; a compressing hook on one rank would reduce other numbers).
-    done, out = probe(tmp_path / "one", "comm-hook=1", "--set", "metrics.local_from=grads", "--set", "distributed.nproc=3")
+    # One rank with a comm hook the other has not: every rank still reads .grad (the sketches stay one map), and the
+    # environment audit names it (allreduce_hook reduces as DDP does, so the run itself goes on; a compressing hook on
+    # one rank would reduce other numbers).
+    done, out = probe(tmp_path / "one", "comm-hook=1", "--set", "distributed.nproc=3")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    environment = json.loads((out / "result.json").read_text())["audits"]["environment"]
+    result = json.loads((out / "result.json").read_text())
+    assert [rank["gradient_source"] for rank in result["environment"]["ranks"]] == ["grads"] * 3
+    environment = result["audits"]["environment"]
     assert environment["ranks"] == [1], environment
     assert environment["message"] == "ddp.comm_hook differs: ranks 0, 2 none; rank 1 allreduce_hook", environment
+    # Settings that need the slot the script took: exit 2, one line, naming the script's hook.
+    for setting, needs in (("metrics.local_from=buckets", "local_from='buckets'"), ("metrics.direction=exact", "exact mode")):
+        done, _ = probe(tmp_path / setting, "comm-hook", "--set", setting)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "already has a DDP comm hook (allreduce_hook)" in error_line(done) and needs in error_line(done)
+        assert no_workers_left()
     # A compressing hook on every rank: the same hook everywhere, and an all-reduce lossy by design, which the
     # reduction check reports as such (README: metrics.reduction_check_every=0 accepts it).
-    done, out = probe(tmp_path / "fp16", "fp16-hook", "--set", "metrics.local_from=grads", "--set", "metrics.reduction_check_every=1")
+    done, out = probe(tmp_path / "fp16", "fp16-hook", "--set", "metrics.reduction_check_every=1")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     audits = json.loads((out / "result.json").read_text())["audits"]
     assert audits["environment"]["passed"] and not audits["reduction_numerics"]["passed"], audits["environment"]

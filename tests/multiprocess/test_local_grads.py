@@ -79,6 +79,35 @@ def _check_the_ranks_agree() -> None:
     monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="grads")
     assert monitor.gradient_source == "grads"
     monitor.close()
+    _check_a_models_own_comm_hook()
+
+
+def _check_a_models_own_comm_hook() -> None:
+    """DDP holds one comm hook: where a rank's model already has one, "auto" puts every rank on .grad (on the host
+    too), every rank refuses where some rank cannot read .grad, and the settings that need the slot refuse here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    rank = distributed.rank()
+    ddp, _ = _make_ddp(torch.float32, False)
+    if rank == 1:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    monitor = WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="auto")
+    assert monitor.gradient_source == "grads" and monitor._local_pass is not None
+    monitor.close()
+    ddp, _ = _make_ddp(torch.float32, rank == 2)  # rank 2 alone cannot read .grad
+    if rank == 1:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    where = "here: with gradient_as_bucket_view" if rank == 2 else r"on rank\(s\) 2 \(each says why\)"
+    with pytest.raises(ValueError, match=f"rank\\(s\\) 1 registered a DDP comm hook of their own .* which cannot run {where}"):
+        WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, local_from="auto")
+    for options, needs in (({"local_from": "buckets"}, "local_from='buckets'"), ({"direction": "exact"}, "exact mode")):
+        ddp, _ = _make_ddp(torch.float32, False)  # no collective on these paths: only the hooked rank raises
+        if rank == 1:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            with pytest.raises(ValueError, match=f"already has a DDP comm hook \\(allreduce_hook\\).*{needs}"):
+                WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, **options)
+        else:
+            WorkerConsistencyMonitor(ddp, sketch_dim=SKETCH_DIM, **options).close()
 
 
 def _check_the_outputs_are_not_kept() -> None:

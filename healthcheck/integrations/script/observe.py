@@ -398,11 +398,10 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
 def _script_comm_hook(model: Any) -> str:
     """The comm hook the script registered (where the monitor reads .grad), as DDP's logging names it; "none" without
     one, or where the monitor's hook holds DDP's slot. A rank that compresses its buckets reduces other numbers."""
-    try:
-        name = model._get_ddp_logging_data().get("comm_hook")  # private, as in every torch that has DDP's logger
-    except (AttributeError, RuntimeError):
-        return "?"
-    return "none" if name in (None, "", "_consistency_hook") else str(name)
+    from healthcheck.measure.local_grads import registered_comm_hook
+
+    name = registered_comm_hook(model)
+    return "?" if name is None else (name or "none")
 
 
 def wrapper_facts(model: Any) -> dict[str, str]:

@@ -5,8 +5,9 @@ original on exit, in reverse order, whatever happened in between.
 
 * ``DistributedDataParallel.__init__``: every DDP the script builds (directly, or through
   ``accelerate`` and ``transformers.Trainer``) is handed to the session right after it is built.
-* ``DistributedDataParallel.register_comm_hook`` / ``_register_builtin_comm_hook``: the monitor needs
-  the one comm-hook slot DDP has, so a script that takes it gets a clear error, not DDP's RuntimeError.
+* ``DistributedDataParallel.register_comm_hook`` / ``_register_builtin_comm_hook``: DDP has one comm-hook slot.
+  The monitor is made at the first forward and leaves a hook registered before it to the script (it reads
+  ``.grad``); one registered later, where the monitor took the slot, gets a clear error, not DDP's RuntimeError.
 * ``torch.distributed.fsdp.fully_shard``: every module the script shards with FSDP2 is handed to the
   session, which takes the outermost one (the root, sharded last) as the trained model.
 * ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
@@ -102,9 +103,9 @@ def install(session: Any) -> Patches:
         def register(self: Any, *args: Any, **kwargs: Any) -> Any:
             if session.owns_comm_hook(self):
                 raise InvalidInput(
-                    "the script registers its own DDP communication hook (DistributedDataParallel allows one), and "
-                    "healthcheck's monitor holds it; probe it with --set metrics.local_from=grads (the monitor reads "
-                    ".grad and leaves the hook to the script; the default on CUDA) or without its comm hook"
+                    "the script registers its own DDP communication hook after the model's first forward, when "
+                    "healthcheck's monitor already holds DDP's one slot; register it before the first forward (the "
+                    "monitor then reads .grad and leaves the hook to the script) or probe with --set metrics.local_from=grads"
                 )
             return original(self, *args, **kwargs)
 

@@ -36,6 +36,7 @@ from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.grad_start import GradientStart
+from healthcheck.integrations.script.monitor_start import make_monitor
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.seeds import SeedCalls
@@ -137,11 +138,9 @@ class ScriptSession:
     def on_ddp(self, ddp: Any) -> None:
         if self.model is not None or self.fsdp.root is not None:
             raise InvalidInput("the script builds a second data-parallel model; a probe measures one trained model")
-        self._registering = True
-        try:
-            self.monitor = self._new_monitor(ddp)
-        finally:
-            self._registering = False
+        # The monitor is made at the model's first forward, not here: a script registers its own comm hook after
+        # wrapping (accelerate's DistributedDataParallelKwargs(comm_hook=...) does), and the monitor must see it.
+        self._handles.append(ddp.register_forward_pre_hook(self._start_ddp))
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
@@ -151,22 +150,14 @@ class ScriptSession:
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
 
-    def _new_monitor(self, model: Any) -> Any:
-        from healthcheck.measure.monitor import WorkerConsistencyMonitor
-
-        metrics = self.config.metrics
-        try:  # the sketch map must be identical on every rank: it is seeded from the probe's config
-            return WorkerConsistencyMonitor(
-                model,
-                direction=metrics.direction,
-                sketch_dim=metrics.sketch_dim,
-                every=metrics.every,
-                seed=self.config.train.seed,
-                reduction_every=metrics.reduction_check_every,
-                local_from=metrics.local_from,
-            )
-        except ValueError as error:  # a metrics setting the script's model cannot take (local_from=grads): bad input
-            raise InvalidInput(f"metrics: {error}") from None
+    def _start_ddp(self, ddp: Any, args: Any) -> None:
+        """The DDP model's first forward, on every rank: its monitor (:mod:`.monitor_start` says why not earlier)."""
+        if self.monitor is None:
+            self._registering = True
+            try:
+                self.monitor = make_monitor(self.config, ddp)
+            finally:
+                self._registering = False
 
     def before_fully_shard(self, module: Any) -> None:
         """``fully_shard(module)`` is about to run (see :class:`.ShardedRoot`)."""
@@ -187,7 +178,7 @@ class ScriptSession:
             raise InvalidInput(
                 "faults.grad_noise_std cannot be injected into an FSDP2 model (parameter hooks never see its local gradient)"
             )
-        self.monitor = self._new_monitor(module)
+        self.monitor = make_monitor(self.config, module)
         self.model = module
         self._param_ids = {id(p) for p in module.parameters()}
         self.audit = AuditRecorder(
@@ -229,7 +220,8 @@ class ScriptSession:
 
     def owns_comm_hook(self, ddp: Any) -> bool:
         """True when a comm hook registration on ``ddp`` would take the monitor's slot (it reads DDP's buckets)."""
-        return ddp is self.model and not self._registering and self.monitor.gradient_source == "comm_hook"
+        monitor = self.monitor
+        return ddp is self.model and not self._registering and monitor is not None and monitor.gradient_source == "comm_hook"
 
     def on_process_group(self) -> None:
         self.hooks.on_process_group()
@@ -252,6 +244,11 @@ class ScriptSession:
             )
         if not self._owns(optimizer):
             return
+        if self.monitor is None:
+            raise InvalidInput(
+                "the script stepped its optimizer before a forward through its DistributedDataParallel model; "
+                "healthcheck measures the gradients DDP reduces, so call the DDP model, not its .module"
+            )
         self._depth += 1
         if self._depth > 1:  # an optimizer whose step() calls its base class's: one step, not two
             return
