@@ -92,7 +92,11 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
-    outcomes["reduction_numerics"] = reduction_audit(checked, world)
+    # A script's own comm hook, where every rank has the same one (else the environment audit names the rank).
+    hooks = {str(e.extra.get("ddp.comm_hook", "")) for e in per_rank} or {""}
+    dtypes = {str(e.extra.get("model_dtype", "float32")) for e in per_rank} or {"float32"}
+    hook = hooks.pop() if len(hooks) == 1 else ""
+    outcomes["reduction_numerics"] = reduction_audit(checked, world, hook, dtypes.pop() if len(dtypes) == 1 else "float32")
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
     outcomes["replay"] = replay_outcome(config, evidence.replay, differ, hooks_difference(per_rank))

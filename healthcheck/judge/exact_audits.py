@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from healthcheck.finite import is_finite_number
+from healthcheck.judge import comm_hooks
 from healthcheck.judge.audit_outcome import (
     AuditOutcome,
     group_ranks,
@@ -299,15 +300,22 @@ def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sample
 # --------------------------------------------------------------------------- 6. reduction numerics
 
 
-def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> AuditOutcome:
+def reduction_audit(
+    rows: Sequence[Mapping[str, Any]], world_size: int, comm_hook: str = "", bucket_dtype: str = "float32"
+) -> AuditOutcome:
     """Is the all-reduced mean gradient the float64 mean of the local gradients, up to rounding?
 
     Each row is one checked step from ``aggregates.jsonl``: ``reduction_rel_error`` (relative L2
     error of the worst rank's reduced gradient against the float64 mean), ``reduction_bound_ratio``
     (that error over the worst case a correct sum in the bucket dtype can round to, so > 1 cannot be
     rounding) and ``reduction_worst_rank``. Steps where a local gradient was NaN/Inf carry None and
-    are left to the non-finite audit.
+    are left to the non-finite audit. ``comm_hook``: the script's own DDP comm hook, the same on every rank ("" or
+    "none" without one); a compressing one is judged against its wire's rounding, an approximating one not at all
+    (:mod:`healthcheck.judge.comm_hooks`); ``bucket_dtype``: the ranks' parameter dtype.
     """
+    hook = "" if comm_hook in ("", "none", "?") else comm_hook
+    if hook in comm_hooks.APPROXIMATING:
+        return AuditOutcome(True, comm_hooks.approximating_message(hook), "approximating-hook", (), {"comm_hook": hook}, measured=False)
     checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
     if not checked:
         return AuditOutcome(
@@ -317,14 +325,23 @@ def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> Audit
             (),
             measured=False,
         )
+    wire = comm_hooks.COMPRESSING.get(hook)
+    if wire is not None:
+        checked = [
+            {**r, "reduction_bound_ratio": comm_hooks.wire_bound_ratio(r["reduction_bound_ratio"], world_size, bucket_dtype, wire)}
+            for r in checked
+        ]
+    rounding = comm_hooks.wire_phrase(hook, wire) if wire else "rounding"
     worst = max(checked, key=lambda r: r["reduction_bound_ratio"])
     max_error = max(r["reduction_rel_error"] for r in checked)
     details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error, "max_bound_ratio": worst["reduction_bound_ratio"]}
+    if hook:
+        details.update({"comm_hook": hook, "wire": wire or "unknown"})
     if worst["reduction_bound_ratio"] <= 1:
         return AuditOutcome(
             True,
             f"the all-reduced gradient matches the float64 mean of the local gradients on "
-            f"{ranks_phrase(range(world_size))} within rounding: max relative error {max_error:.2g} over "
+            f"{ranks_phrase(range(world_size))} within {rounding}: max relative error {max_error:.2g} over "
             f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
             f"worst-case rounding bound",
             "within-bound",
@@ -334,12 +351,20 @@ def reduction_audit(rows: Sequence[Mapping[str, Any]], world_size: int) -> Audit
     rank = worst.get("reduction_worst_rank")
     ranks = (int(rank),) if rank is not None and is_finite_number(rank) else ()
     who = f" on rank {ranks[0]}" if ranks else ""
+    if wire == "fp16":
+        cause = (f"beyond the compression (values under fp16's normal range, {comm_hooks.FP16_SMALLEST_NORMAL:.2g}, lose "
+                 "their precision on the wire) or a corrupted reduction")
+    elif wire:
+        cause = "beyond the compression: a corrupted reduction"
+    else:
+        cause = "a lossy reduction (e.g. bf16 compression) or a corrupted one"
+        cause += f"; the script registers its own comm hook, {hook}" if hook else ""
     return AuditOutcome(
         False,
         f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
         f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
-        f"{worst['reduction_bound_ratio']:.3g}x the worst case of rounding a correct sum over "
-        f"{world_size} ranks: a lossy reduction (e.g. bf16 compression) or a corrupted one",
+        f"{worst['reduction_bound_ratio']:.3g}x the worst case of {rounding} of a correct sum over "
+        f"{world_size} ranks: {cause}",
         "exceeds-bound",
         ranks,
         details,

@@ -5,7 +5,8 @@
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
-(torch's fp16_compress_hook on every rank); late-comm-hook (allreduce_hook, registered after the first step);
+(torch's fp16_compress_hook on every rank); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
+that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
@@ -20,6 +21,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def worker(index):  # for --mode spawn
     pass
+
+
+OFF = 1.0  # fp16-hook-off: this rank's factor on its reduced buckets
+
+
+def fp16_compress_hook(state, bucket):  # torch's, under its own name (DDP logs the hook's qualname)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    reduced = default_hooks.fp16_compress_hook(state, bucket)
+    return reduced if OFF == 1.0 else reduced.then(lambda done: done.value().mul_(OFF))
 
 
 def main():
@@ -40,10 +51,10 @@ def main():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
-    if mode == "fp16-hook":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if mode in ("fp16-hook", "fp16-hook-off"):
+        global OFF
+        OFF = 1.01 if mode == "fp16-hook-off" and rank == int(value) else 1.0
+        model.register_comm_hook(None, fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

@@ -61,10 +61,10 @@ def test_a_client_on_the_grad_path_measures_its_local_gradients(client, tiny_lla
 def test_accelerates_own_comm_hook_is_left_to_it_under_the_default(tiny_llama, tmp_path):  # noqa: F811
     # DistributedDataParallelKwargs(comm_hook=FP16): accelerate registers torch's fp16_compress_hook right after it wraps
     # the model. The monitor, made at the first forward, sees DDP's one slot taken and reads .grad on every rank under
-    # the default local_from=auto, on the host too. The all-reduce is lossy by design: the reduction check is off here
-    # (README, "A script's own comm hook"); tests/e2e/test_script_failures.py shows it naming the loss.
+    # the default local_from=auto, on the host too. The all-reduce is lossy by design: the reduction check judges it
+    # against fp16's rounding (judge/comm_hooks.py), every step here.
     out, log, dump = tmp_path / "run", tmp_path / "own-loss.jsonl", tmp_path / "reference"
-    extra = ("--set", f"metrics.sketch_dim={SKETCH_DIM}", "--set", "metrics.reduction_check_every=0")
+    extra = ("--set", f"metrics.sketch_dim={SKETCH_DIM}", "--set", "metrics.reduction_check_every=1")
     args = probe_args("accelerate_loop", out, tiny_llama, log, extra=extra, script_args=("--comm-hook", "fp16"))
     done = run_with_reference(dump, args)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -72,6 +72,9 @@ def test_accelerates_own_comm_hook_is_left_to_it_under_the_default(tiny_llama, t
     assert [rank["gradient_source"] for rank in result["environment"]["ranks"]] == ["grads"] * 4
     audits = result["audits"]
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
+    reduction = audits["reduction_numerics"]
+    assert reduction["checked_steps"] == list(range(STEPS)) and reduction["wire"] == "fp16", reduction
+    assert reduction["max_rel_error"] > 1e-5, reduction  # compressed: far above fp32's rounding
     rows = read_rows(out / "steps.jsonl")
     for step in range(STEPS):  # the local gradients, before the hook compresses them
         norms, to_mean, _ = reference_metrics(dump, step)

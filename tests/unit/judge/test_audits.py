@@ -426,6 +426,30 @@ def test_reduction_audit():
     assert reduction_audit([], 8).signature == "unchecked"
 
 
+def test_reduction_audit_with_a_scripts_own_comm_hook():
+    # fp16_compress_hook on 2 fp32 ranks read 2,260x the fp32 bound (tests/e2e/test_script_failures.py): within fp16's.
+    fp16 = [{"step": 1, "reduction_rel_error": 3e-4, "reduction_bound_ratio": 2260.0, "reduction_worst_rank": 1}]
+    ok = reduction_audit(fp16, 2, "fp16_compress_hook", "float32")
+    assert ok.passed and "within rounding in fp16 (the script's fp16_compress_hook)" in ok.message, ok.message
+    assert ok.details["wire"] == "fp16" and 0.1 < ok.details["max_bound_ratio"] < 0.3, ok.details
+    # Beyond what the wire rounds to: a device that computes wrong is still named, the hook and the underflow said.
+    corrupt = [{**fp16[0], "reduction_bound_ratio": 2260.0 * 20}]
+    bad = reduction_audit(corrupt, 2, "BuiltinCommHookType.FP16_COMPRESS", "float32")
+    assert not bad.passed and bad.ranks == (1,) and "under fp16's normal range" in bad.message, bad.message
+    # bf16 on the wire: 8 bits of mantissa, a wider bound than fp16's. A bf16 model's buckets: the same unit roundoff,
+    # and one rounding more (the hook's cast and division, N + 1 in all, against DDP's N).
+    assert reduction_audit(corrupt, 2, "bf16_compress_hook", "float32").passed
+    one_more = [{**fp16[0], "reduction_bound_ratio": 1.4}]
+    assert not reduction_audit(one_more, 2).passed and reduction_audit(one_more, 2, "bf16_compress_wrapper_hook", "bfloat16").passed
+    # No bound exists for a hook that approximates the mean: not judged, with the hook named.
+    low_rank = reduction_audit(corrupt, 2, "powerSGD_hook")
+    assert low_rank.passed and not low_rank.measured and "powerSGD_hook" in low_rank.message
+    # Any other hook is judged as DDP's own reduction, and named where it fails.
+    custom = reduction_audit(corrupt, 2, "my_hook")
+    assert not custom.passed and custom.message.endswith("the script registers its own comm hook, my_hook"), custom.message
+    assert reduction_audit(fp16, 2, "none").message == reduction_audit(fp16, 2).message
+
+
 # ----------------------------------------------------------------------------- verdict and baseline
 
 

@@ -1,0 +1,77 @@
+"""What a script's own DDP comm hook does to the all-reduce, for the reduction check's bound (pure: no torch).
+
+The monitor's reduction check (:mod:`healthcheck.measure.exact_pass`) compares the all-reduced gradient with the
+float64 mean of the local gradients, over the worst case of rounding a correct sum in the *bucket's* dtype. A script
+that compresses its buckets (torch's ``fp16_compress_hook``, ``bf16_compress_hook``; accelerate's
+``DistributedDataParallelKwargs(comm_hook=...)``) sums in the wire's dtype instead, so that bound is the wrong one: an
+fp16 all-reduce of 2 ranks read 2,260x it. Turning the check off would also lose what it is for, a device or a
+reduction that computes wrong. For a hook whose wire dtype is known, the check is judged against that dtype's
+rounding instead: fl(Σ fl(fl(g_i) / N)) takes N + 1 roundings in the wire's unit roundoff (the cast, the division,
+N − 1 additions), so the bound is γ_{N+1}(u_wire) where it was γ_N(u_bucket). Hooks that approximate the mean by
+design (PowerSGD's low rank, quantization, local SGD) have no such bound, and the check is not judged. Any other hook
+is judged as DDP's own reduction is: a hook that reduces exactly passes, and the message names the hook where not.
+
+Names are as DDP's logging data records them (``ddp.comm_hook`` in the environment facts).
+"""
+
+from __future__ import annotations
+
+#: Hooks that round to a lower precision on the wire: their wire dtype.
+COMPRESSING = {
+    "fp16_compress_hook": "fp16",
+    "fp16_compress_wrapper_hook": "fp16",
+    "BuiltinCommHookType.FP16_COMPRESS": "fp16",
+    "bf16_compress_hook": "bf16",
+    "bf16_compress_wrapper_hook": "bf16",
+}
+#: Hooks whose result is not the mean by design (torch's ddp_comm_hooks).
+APPROXIMATING = frozenset(
+    {"powerSGD_hook", "batched_powerSGD_hook", "quantization_pertensor_hook", "quantization_perchannel_hook", "post_localSGD_hook"}
+)
+#: Unit roundoff (half the machine epsilon) by dtype name, as the ranks' ``model_dtype`` fact and the wire name them.
+ROUNDOFF = {
+    "fp16": 2.0**-11, "float16": 2.0**-11, "bf16": 2.0**-8, "bfloat16": 2.0**-8,
+    "fp32": 2.0**-24, "float32": 2.0**-24, "float64": 2.0**-53,
+}
+#: Where fp16's normal range ends: smaller values keep fewer significant bits, and the relative bound does not hold.
+FP16_SMALLEST_NORMAL = 2.0**-14
+
+
+def _gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u) if n * u < 1 else float("inf")
+
+
+def wire_bound_ratio(bound_ratio: float, world: int, bucket_dtype: str, wire: str) -> float:
+    """A row's ``reduction_bound_ratio`` (against rounding in ``bucket_dtype``) re-read against a compressing wire.
+
+    Both bounds scale the same ‖mean |g_i|‖, so the ratio converts by the quotient of their factors, each with the
+    float64 reference mean's own γ_N(2⁻⁵³). An unknown bucket dtype counts as fp32, the smallest bound there.
+
+    >>> round(wire_bound_ratio(2260.0, 2, "float32", "fp16"), 3)  # the fp16 all-reduce of 2 ranks: within fp16
+    0.184
+    >>> wire_bound_ratio(0.5, 4, "float32", "fp32")
+    0.5
+    """
+    reference = _gamma(world, 2.0**-53)
+    bucket = _gamma(world, ROUNDOFF.get(bucket_dtype, ROUNDOFF["float32"])) + reference
+    if wire == "fp32":
+        return bound_ratio
+    wire_u = max(ROUNDOFF[wire], ROUNDOFF.get(bucket_dtype, 0.0))
+    return bound_ratio * bucket / (_gamma(world + 1, wire_u) + reference)
+
+
+def approximating_message(hook: str) -> str:
+    """The reduction check's "not judged" line for a hook that does not compute the mean by design."""
+    return (
+        f"not measured: the script's comm hook ({hook}) approximates the all-reduce by design, so the reduced gradient "
+        "is not the mean of the local gradients and no rounding bound applies"
+    )
+
+
+def wire_phrase(hook: str, wire: str) -> str:
+    """How the messages name the bound a compressing hook is judged against.
+
+    >>> print(wire_phrase("fp16_compress_hook", "fp16"))
+    rounding in fp16 (the script's fp16_compress_hook)
+    """
+    return f"rounding in {wire} (the script's {hook})"
