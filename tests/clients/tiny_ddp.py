@@ -7,7 +7,8 @@ steps); never-step (trains the model but never steps an optimizer); no-ddp (step
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
 (torch's fp16_compress_hook on every rank); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
-module-forward (calls the DDP model's .module, so DDP reduces nothing);
+module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
+the monitor is made by a pre-hook of the DDP module the compiled one calls);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
 """
@@ -47,6 +48,8 @@ def main():
     model = torch.nn.Linear(16, 4)
     if mode != "no-ddp":
         model = DDP(model, gradient_as_bucket_view=mode == "bucket-view")
+    if mode == "compiled":
+        model = torch.compile(model, backend="aot_eager")
     if mode == "comm-hook" and value in ("", str(rank)):  # comm-hook=R: rank R only
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

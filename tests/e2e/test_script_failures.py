@@ -43,6 +43,17 @@ def test_a_script_with_a_custom_loss_passes_with_the_loss_not_measured(tmp_path)
     assert "n/a" in done.stdout and "loss not measured" in done.stdout
 
 
+def test_a_compiled_ddp_model_is_measured(tmp_path):
+    # torch.compile(DDP(model)): the monitor is made at the DDP module's first forward, from a pre-hook that the
+    # compiled module's call runs; its gradients go through the monitor every step.
+    done, out = probe(tmp_path, "compiled")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == list(range(5)) and all(r["grad_norm"] > 0 for r in rows), rows
+    result = json.loads((out / "result.json").read_text())
+    assert [rank["gradient_source"] for rank in result["environment"]["ranks"]] == ["comm_hook"] * 2
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
