@@ -7,12 +7,15 @@ its loss "for logging" after ``end_step`` (inside ``monitor.waiting()``, as scri
 collectives), there. Before the wait clock, the rank that waited for it in the broadcast was named instead:
 busy_ms started at ``end_step`` and counted the waits inside the step.
 
-The model is sized so that a rank's own work is ~30 ms a step (this host). A rank that blocked in the broadcast
-pays a wake-up cost of its own when it resumes (a cold cache; on a VM, a vCPU that went idle), which stays in its
-busy_ms: with the 2 ms steps of an earlier model, the rank that waited read 1.00-1.10x here and 1.52x in 20/20 steps
-on CI's host, and was named beside the slow rank. At ~10 ms it read 0.99-1.02x, at ~30 ms 0.98x.
-
-    python -m pytest tests/multiprocess/test_busy_time.py -q
+The test judges blame, not the audit's tolerance: with ``factor=2.0`` a rank is named only where it carries most of
+another rank's 100 ms pause a step (the slow rank reads ~4x its ~30 ms of own work; a rank that absorbed its wait
+read 3.7x before the wait clock, and the slow rank of the logging case ~1x). Clean ranks here read 0.94-1.17x. The
+rank that waited in the broadcast computes after the pause, beside the slow rank, and in the 1.17x run (19 of 20
+steps, once in a fresh-clone suite) both took ~38 ms of own work where the two ranks that computed before the
+pause took ~34: most likely the wake-up cost (cold cache; on a VM, an idle vCPU) and the ring all-reduce of every
+rank's buckets sharing the 2 cores with them, neither of which busy_ms can take out. With an earlier ~2 ms step the
+waiting rank read 1.52x on CI's host. Both are above the default 1.035x, which is for real probes, whose clean
+false-alarm rate the detection matrix states (README, Measured figures).
 """
 
 from __future__ import annotations
@@ -89,5 +92,5 @@ def test_a_rank_slow_after_its_backward_is_the_one_named(slow_rank, log_loss):
     if runqueue.read() is None and runqueue.cores_shared(WORLD):
         pytest.skip("ranks share this host's cores and it gives no run-queue clock: busy_ms keeps the waits for a core")
     busy = launcher.launch_local(_worker, WORLD, (slow_rank, log_loss), run_id=f"test-busy-{slow_rank}")[0]
-    outcome = straggler_audit(busy, factor=1.035, max_p=1e-4)
+    outcome = straggler_audit(busy, factor=2.0, max_p=1e-4)
     assert outcome.ranks == (slow_rank,), (outcome.message, busy)
