@@ -16,6 +16,8 @@ Names are as DDP's logging data records them (``ddp.comm_hook`` in the environme
 
 from __future__ import annotations
 
+from healthcheck.measure.precision import gamma
+
 #: Hooks that round to a lower precision on the wire: their wire dtype.
 COMPRESSING = {
     "fp16_compress_hook": "fp16",
@@ -37,10 +39,6 @@ ROUNDOFF = {
 FP16_SMALLEST_NORMAL = 2.0**-14
 
 
-def _gamma(n: int, u: float) -> float:
-    return n * u / (1 - n * u) if n * u < 1 else float("inf")
-
-
 def wire_bound_ratio(bound_ratio: float, world: int, bucket_dtype: str, wire: str) -> float:
     """A row's ``reduction_bound_ratio`` (against rounding in ``bucket_dtype``) re-read against a compressing wire.
 
@@ -49,15 +47,13 @@ def wire_bound_ratio(bound_ratio: float, world: int, bucket_dtype: str, wire: st
 
     >>> round(wire_bound_ratio(2260.0, 2, "float32", "fp16"), 3)  # the fp16 all-reduce of 2 ranks: within fp16
     0.184
-    >>> wire_bound_ratio(0.5, 4, "float32", "fp32")
-    0.5
+    >>> round(wire_bound_ratio(1.5, 2, "bfloat16", "bf16"), 3)  # bf16 buckets: one rounding more, N + 1 against N
+    0.996
     """
-    reference = _gamma(world, 2.0**-53)
-    bucket = _gamma(world, ROUNDOFF.get(bucket_dtype, ROUNDOFF["float32"])) + reference
-    if wire == "fp32":
-        return bound_ratio
+    reference = gamma(world, 2.0**-53)
+    bucket = gamma(world, ROUNDOFF.get(bucket_dtype, ROUNDOFF["float32"])) + reference
     wire_u = max(ROUNDOFF[wire], ROUNDOFF.get(bucket_dtype, 0.0))
-    return bound_ratio * bucket / (_gamma(world + 1, wire_u) + reference)
+    return bound_ratio * bucket / (gamma(world + 1, wire_u) + reference)
 
 
 def approximating_message(hook: str) -> str:

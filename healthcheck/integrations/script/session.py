@@ -140,7 +140,8 @@ class ScriptSession:
             raise InvalidInput("the script builds a second data-parallel model; a probe measures one trained model")
         # The monitor is made at the model's first forward, not here: a script registers its own comm hook after
         # wrapping (accelerate's DistributedDataParallelKwargs(comm_hook=...) does), and the monitor must see it.
-        self._handles.append(ddp.register_forward_pre_hook(self._start_ddp))
+        self._ddp_start = ddp.register_forward_pre_hook(self._start_ddp)
+        self._handles.append(self._ddp_start)
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
@@ -152,12 +153,12 @@ class ScriptSession:
 
     def _start_ddp(self, ddp: Any, args: Any) -> None:
         """The DDP model's first forward, on every rank: its monitor (:mod:`.monitor_start` says why not earlier)."""
-        if self.monitor is None:
-            self._registering = True
-            try:
-                self.monitor = make_monitor(self.config, ddp)
-            finally:
-                self._registering = False
+        self._ddp_start.remove()  # its one call: the later forwards run without it
+        self._registering = True
+        try:
+            self.monitor = make_monitor(self.config, ddp)
+        finally:
+            self._registering = False
 
     def before_fully_shard(self, module: Any) -> None:
         """``fully_shard(module)`` is about to run (see :class:`.ShardedRoot`)."""
