@@ -7,15 +7,16 @@ its loss "for logging" after ``end_step`` (inside ``monitor.waiting()``, as scri
 collectives), there. Before the wait clock, the rank that waited for it in the broadcast was named instead:
 busy_ms started at ``end_step`` and counted the waits inside the step.
 
-The test judges blame, not the audit's tolerance: with ``factor=2.0`` a rank is named only where it carries most of
-another rank's 100 ms pause a step (the slow rank reads ~4x its ~30 ms of own work; a rank that absorbed its wait
-read 3.7x before the wait clock, and the slow rank of the logging case ~1x). Clean ranks here read 0.94-1.17x. The
-rank that waited in the broadcast computes after the pause, beside the slow rank, and in the 1.17x run (19 of 20
-steps, once in a fresh-clone suite) both took ~38 ms of own work where the two ranks that computed before the
-pause took ~34: most likely the wake-up cost (cold cache; on a VM, an idle vCPU) and the ring all-reduce of every
-rank's buckets sharing the 2 cores with them, neither of which busy_ms can take out. With an earlier ~2 ms step the
-waiting rank read 1.52x on CI's host. Both are above the default 1.035x, which is for real probes, whose clean
-false-alarm rate the detection matrix states (README, Measured figures).
+The test judges blame, not the audit's tolerance: with ``factor=1.5`` a rank is named only where it carries most of
+another rank's 150 ms pause a step. The slow rank reads ~5.5x its ~33 ms of own work standalone; in a full suite on
+this host its own work once took ~68 ms, where a 100 ms pause read 2.56x and fell under an earlier 2x factor in 2 of
+20 steps. A rank that absorbed the pause read 5.2x before the wait clock (and the slow rank of the logging case ~1x).
+Clean ranks here read 0.94-1.17x. The rank that waited in the broadcast computes after the pause, beside the slow
+rank, and in the 1.17x run (19 of 20 steps, once in a fresh-clone suite) both took ~38 ms of own work where the two
+ranks that computed before the pause took ~34: most likely the wake-up cost (cold cache; on a VM, an idle vCPU) and
+the ring all-reduce of every rank's buckets sharing the 2 cores with them, neither of which busy_ms can take out.
+With an earlier ~2 ms step the waiting rank read 1.52x on CI's host. Both are above the default 1.035x, which is for
+real probes, whose clean false-alarm rate the detection matrix states (README, Measured figures).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from healthcheck.run import launcher
 
 WORLD = 4
 STEPS = 22
-PAUSE_S = 0.1
+PAUSE_S = 0.15
 FEATURES, HIDDEN, BATCH = 256, 1024, 1024
 
 
@@ -92,5 +93,5 @@ def test_a_rank_slow_after_its_backward_is_the_one_named(slow_rank, log_loss):
     if runqueue.read() is None and runqueue.cores_shared(WORLD):
         pytest.skip("ranks share this host's cores and it gives no run-queue clock: busy_ms keeps the waits for a core")
     busy = launcher.launch_local(_worker, WORLD, (slow_rank, log_loss), run_id=f"test-busy-{slow_rank}")[0]
-    outcome = straggler_audit(busy, factor=2.0, max_p=1e-4)
+    outcome = straggler_audit(busy, factor=1.5, max_p=1e-4)
     assert outcome.ranks == (slow_rank,), (outcome.message, busy)
