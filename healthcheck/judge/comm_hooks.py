@@ -7,7 +7,10 @@ that compresses its buckets (torch's ``fp16_compress_hook``, ``bf16_compress_hoo
 fp16 all-reduce of 2 ranks read 2,260x it. Turning the check off would also lose what it is for, a device or a
 reduction that computes wrong. For a hook whose wire dtype is known, the check is judged against that dtype's
 rounding instead: fl(Σ fl(fl(g_i) / N)) takes N + 1 roundings in the wire's unit roundoff (the cast, the division,
-N − 1 additions), so the bound is γ_{N+1}(u_wire) where it was γ_N(u_bucket). Hooks that approximate the mean by
+N − 1 additions), so the bound is γ_{N+1}(u_wire) where it was γ_N(u_bucket). fp16's narrow exponent adds an absolute
+floor: a gradient under N·2⁻¹⁴ rounds into the subnormal range, off by up to 2⁻²⁵ whatever its size, and a large
+model's gradients mostly are that small (an fp16 all-reduce of values ~2e-5 read 12.9x the relative bound alone). The
+pass counts those values (``reduction_fp16_floor``), and the floor they can add joins the bound. Hooks that approximate the mean by
 design (PowerSGD's low rank, quantization, local SGD) have no such bound, and the check is not judged. Any other hook
 is judged as DDP's own reduction is: a hook that reduces exactly passes, and the message names the hook where not.
 
@@ -35,25 +38,47 @@ ROUNDOFF = {
     "fp16": 2.0**-11, "float16": 2.0**-11, "bf16": 2.0**-8, "bfloat16": 2.0**-8,
     "fp32": 2.0**-24, "float32": 2.0**-24, "float64": 2.0**-53,
 }
-#: Where fp16's normal range ends: smaller values keep fewer significant bits, and the relative bound does not hold.
-FP16_SMALLEST_NORMAL = 2.0**-14
 
 
-def wire_bound_ratio(bound_ratio: float, world: int, bucket_dtype: str, wire: str) -> float:
+def wire_bound_ratio(bound_ratio: float, world: int, bucket_dtype: str, wire: str, fp16_floor: float = 0.0) -> float:
     """A row's ``reduction_bound_ratio`` (against rounding in ``bucket_dtype``) re-read against a compressing wire.
 
-    Both bounds scale the same ‖mean |g_i|‖, so the ratio converts by the quotient of their factors, each with the
-    float64 reference mean's own γ_N(2⁻⁵³). An unknown bucket dtype counts as fp32, the smallest bound there.
+    Both relative bounds scale the same ‖mean |g_i|‖, so the ratio converts by the quotient of their factors, each
+    with the float64 reference mean's own γ_N(2⁻⁵³). An unknown bucket dtype counts as fp32, the smallest bound there.
+    On an fp16 wire the row's ``reduction_fp16_floor`` (what underflow can add, in units of the bucket's bound:
+    :func:`healthcheck.measure.precision.fp16_underflow_floor`) is added to the bound; bf16 keeps fp32's exponent range.
 
     >>> round(wire_bound_ratio(2260.0, 2, "float32", "fp16"), 3)  # the fp16 all-reduce of 2 ranks: within fp16
     0.184
+    >>> round(wire_bound_ratio(2260.0, 2, "float32", "fp16", fp16_floor=12306.0), 3)  # underflow as large: half
+    0.092
     >>> round(wire_bound_ratio(1.5, 2, "bfloat16", "bf16"), 3)  # bf16 buckets: one rounding more, N + 1 against N
     0.996
+    """
+    return bound_ratio / (wire_factor(world, bucket_dtype, wire) + (fp16_floor if wire == "fp16" else 0.0))
+
+
+def wire_factor(world: int, bucket_dtype: str, wire: str) -> float:
+    """The wire's relative bound γ_{N+1}(u_wire) over the buckets' γ_N(u_bucket), each with the reference's γ_N(2⁻⁵³).
+
+    >>> round(wire_factor(2, "float32", "fp16"))
+    12306
     """
     reference = gamma(world, 2.0**-53)
     bucket = gamma(world, ROUNDOFF.get(bucket_dtype, ROUNDOFF["float32"])) + reference
     wire_u = max(ROUNDOFF[wire], ROUNDOFF.get(bucket_dtype, 0.0))
-    return bound_ratio * bucket / (gamma(world + 1, wire_u) + reference)
+    return (gamma(world + 1, wire_u) + reference) / bucket
+
+
+def underflow_share(world: int, bucket_dtype: str, wire: str, fp16_floor: float) -> float:
+    """The part of an fp16 wire's bound that is underflow (0 on other wires, or with no value under fp16's normal range).
+
+    >>> round(underflow_share(2, "float32", "fp16", 12306.0), 2)
+    0.5
+    """
+    if wire != "fp16" or not fp16_floor > 0:
+        return 0.0
+    return fp16_floor / (wire_factor(world, bucket_dtype, wire) + fp16_floor)
 
 
 def approximating_message(hook: str) -> str:

@@ -26,6 +26,7 @@ from healthcheck.judge.audit_outcome import (
     rank_span,
     ranks_phrase,
 )
+from healthcheck.measure.precision import FP16_SMALLEST_NORMAL
 
 #: Field order of the seed audit: the first field on which ranks differ is the one the message names.
 SEED_FIELDS = ("seed", "sampler_seed", "torch_seed", "python_seed", "numpy_seed")
@@ -300,6 +301,12 @@ def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sample
 # --------------------------------------------------------------------------- 6. reduction numerics
 
 
+def _floor(row: Mapping[str, Any]) -> float:
+    """A checked row's fp16 underflow floor (0 where the pass did not count it: FSDP2's, or an older run's)."""
+    floor = row.get("reduction_fp16_floor")
+    return float(floor) if floor is not None and is_finite_number(floor) else 0.0
+
+
 def reduction_audit(
     rows: Sequence[Mapping[str, Any]], world_size: int, comm_hook: str = "", bucket_dtype: str = "float32"
 ) -> AuditOutcome:
@@ -327,23 +334,27 @@ def reduction_audit(
         )
     wire = comm_hooks.COMPRESSING.get(hook)
     if wire is not None:
-        checked = [
-            {**r, "reduction_bound_ratio": comm_hooks.wire_bound_ratio(r["reduction_bound_ratio"], world_size, bucket_dtype, wire)}
-            for r in checked
-        ]
+        checked = [{**r, "reduction_bound_ratio": comm_hooks.wire_bound_ratio(
+            r["reduction_bound_ratio"], world_size, bucket_dtype, wire, _floor(r)), "underflow_share": comm_hooks.underflow_share(
+            world_size, bucket_dtype, wire, _floor(r))} for r in checked]
     rounding = comm_hooks.wire_phrase(hook, wire) if wire else "rounding"
     worst = max(checked, key=lambda r: r["reduction_bound_ratio"])
     max_error = max(r["reduction_rel_error"] for r in checked)
     details = {"checked_steps": [r["step"] for r in checked], "max_rel_error": max_error, "max_bound_ratio": worst["reduction_bound_ratio"]}
     if hook:
         details.update({"comm_hook": hook, "wire": wire or "unknown"})
+    share = worst.get("underflow_share", 0.0)
+    if wire == "fp16":
+        details["underflow_share"] = share
+    underflow = (f"; fp16 underflow (gradient values under N x {FP16_SMALLEST_NORMAL:.2g} on a rank) makes up {share:.0%} of "
+                 "that bound" if share >= 0.005 else "")
     if worst["reduction_bound_ratio"] <= 1:
         return AuditOutcome(
             True,
             f"the all-reduced gradient matches the float64 mean of the local gradients on "
             f"{ranks_phrase(range(world_size))} within {rounding}: max relative error {max_error:.2g} over "
             f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
-            f"worst-case rounding bound",
+            f"worst-case rounding bound{underflow}",
             "within-bound",
             (),
             details,
@@ -352,8 +363,7 @@ def reduction_audit(
     ranks = (int(rank),) if rank is not None and is_finite_number(rank) else ()
     who = f" on rank {ranks[0]}" if ranks else ""
     if wire == "fp16":
-        cause = (f"beyond the compression (values under fp16's normal range, {comm_hooks.FP16_SMALLEST_NORMAL:.2g}, lose "
-                 "their precision on the wire) or a corrupted reduction")
+        cause = f"beyond the compression, underflow included: a corrupted reduction{underflow}"
     elif wire:
         cause = "beyond the compression: a corrupted reduction"
     else:

@@ -7,7 +7,9 @@ the all-reduced gradient against a float64 mean of the gathered local gradients,
 over the worst case a correct reduction can round to. The hook computes fl(Σ fl(g_i / N)) in the
 bucket dtype, whose element error is at most γ_N · Σ|g_i| / N with γ_N = N·u / (1 − N·u) (u the
 unit roundoff), so a ratio above 1 is not rounding (a lossy compression hook, a reduction in a
-lower precision, or corruption). The gathered float64 mean adds its own γ_N(2⁻⁵³) to the bound.
+lower precision, or corruption). The gathered float64 mean adds its own γ_N(2⁻⁵³) to the bound. The pass also
+counts, per element, the ranks whose value an fp16 wire would round into its subnormal range, for the absolute
+floor a script's fp16 compression hook adds (``reduction_fp16_floor``).
 
 Memory: N × ``chunk_numel`` elements per gather, upcast to float64 in column slices of
 ``GRAM_SLICE_NUMEL`` elements across all ranks (2 MiB on the host, 128 MiB on a GPU).
@@ -19,7 +21,7 @@ import math
 from typing import Any, Optional, Sequence
 
 from healthcheck.measure import distributed
-from healthcheck.measure.precision import gamma, unit_roundoff
+from healthcheck.measure.precision import FP16_SMALLEST_NORMAL, fp16_underflow_floor, gamma, unit_roundoff
 
 #: Elements (across all ranks) upcast to float64 at a time when accumulating the exact Gram, (accelerator,
 #: host). The host's slices stay in cache; a GPU's are large because each slice costs kernel launches on the
@@ -48,8 +50,10 @@ def stream_local_gradients(
 
     device = pieces[0][0].device if pieces else (header.device if header is not None else torch.device("cpu"))
     gram_out = torch.zeros((world, world), dtype=torch.float64, device=device) if gram else None
-    # ‖reduced − mean‖², ‖mean‖², ‖mean of |g_i|‖², accumulated in float64 on the device.
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    # ‖reduced − mean‖², ‖mean‖², ‖mean of |g_i|‖², Σ_e k_e² (k_e: the ranks whose value could go subnormal on an fp16
+    # wire, for fp16_underflow_floor), accumulated in float64 on the device.
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    subnormal_below = world * FP16_SMALLEST_NORMAL
     pending: list[tuple[Any, Any]] = []
     pending_numel = 0
     worst_roundoff = 0.0
@@ -80,9 +84,11 @@ def stream_local_gradients(
                     gram_out.addmm_(block, block.T)
                 if reduced_all is not None:
                     mean = block.sum(0) / world
-                    abs_mean = block.abs().sum(0) / world
+                    magnitude = block.abs()
+                    abs_mean = magnitude.sum(0) / world
+                    at_risk = ((magnitude < subnormal_below) & (magnitude > 0)).sum(0, dtype=torch.float64)
                     diff = reduced_all[first : first + width].to(torch.float64) - mean
-                    sums.add_(torch.stack([diff @ diff, mean @ mean, abs_mean @ abs_mean]))
+                    sums.add_(torch.stack([diff @ diff, mean @ mean, abs_mean @ abs_mean, at_risk @ at_risk]))
         pending, pending_numel = [], 0
 
     # Small buckets are packed together so the number of collectives depends on the model
@@ -112,13 +118,23 @@ def stream_local_gradients(
 def reduction_error(sums: Sequence[float], world: int, worst_roundoff: float) -> dict[str, float]:
     """``reduction_rel_error`` and ``reduction_bound_ratio`` from ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖².
 
+    With a fourth sum, Σ_e k_e² of the ranks whose value could go subnormal on an fp16 wire, also
+    ``reduction_fp16_floor``: :func:`~healthcheck.measure.precision.fp16_underflow_floor` in units of the same
+    bound, which the judge adds to the bound only when the script's comm hook compresses to fp16.
+
     >>> reduction_error([0.0, 4.0, 4.0], 8, 2.0**-24)
     {'reduction_rel_error': 0.0, 'reduction_bound_ratio': 0.0}
+    >>> reduction_error([0.0, 4.0, 4.0, 0.0], 8, 2.0**-24)["reduction_fp16_floor"]
+    0.0
     """
-    error_sq, mean_sq, abs_mean_sq = sums
+    error_sq, mean_sq, abs_mean_sq = sums[:3]
     bound = (gamma(world, worst_roundoff) + gamma(world, 2.0**-53)) * math.sqrt(abs_mean_sq)
     error = math.sqrt(error_sq)
-    return {
+    out = {
         "reduction_rel_error": error / math.sqrt(mean_sq) if mean_sq > 0 else (0.0 if error == 0 else math.inf),
         "reduction_bound_ratio": error / bound if bound > 0 else (0.0 if error == 0 else math.inf),
     }
+    if len(sums) > 3:
+        floor = fp16_underflow_floor(world, sums[3])
+        out["reduction_fp16_floor"] = floor / bound if bound > 0 else (0.0 if floor == 0 else math.inf)
+    return out

@@ -118,3 +118,28 @@ def gamma(n: int, u: float) -> float:
     True
     """
     return n * u / (1 - n * u) if n * u < 1 else math.inf
+
+
+#: fp16's smallest normal number. Below it a value keeps fewer significant bits (gradual underflow), so rounding it
+#: is off by up to :data:`FP16_UNDERFLOW` whatever its size, not by a fraction of it.
+FP16_SMALLEST_NORMAL = 2.0**-14
+#: The most one rounding into fp16's subnormal range is off by: half the subnormal spacing 2⁻²⁴.
+FP16_UNDERFLOW = 2.0**-25
+
+
+def fp16_underflow_floor(world: int, at_risk_sq: float) -> float:
+    """The most an fp16 wire's underflow adds to ‖reduced − mean‖₂, beyond its relative rounding.
+
+    With gradual underflow a rounding is fl(x op y) = (x op y)(1 + δ) + η, |δ| ≤ u, |η| ≤ 2⁻²⁵, and an addition
+    whose result is subnormal is exact (Higham, §2.1). An fp16 compression hook casts each rank's gradient, divides
+    it by N and sums N values: where 0 < |g_i| < N·2⁻¹⁴ the cast adds up to η (then divided by N) and the division up
+    to η, which the N − 1 additions carry with a factor up to 1 + γ_{N−1}. With k_e such ranks at element e
+    (``at_risk_sq`` = Σ_e k_e²), the element's error gains at most c·k_e, c = (1 + 1/N)(1 + γ_{N−1})η, and the
+    L2 norm at most c·sqrt(Σ_e k_e²). Zeros and values from N·2⁻¹⁴ up never round into the subnormal range.
+
+    >>> fp16_underflow_floor(8, 0.0)
+    0.0
+    >>> round(fp16_underflow_floor(2, 4.0) / FP16_UNDERFLOW, 4)  # one element, both ranks at risk: 2 · 1.5
+    3.0015
+    """
+    return (1 + 1 / world) * (1 + gamma(world - 1, 2.0**-11)) * FP16_UNDERFLOW * math.sqrt(at_risk_sq)

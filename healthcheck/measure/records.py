@@ -77,7 +77,8 @@ def aggregate_row(step: int, data: dict[str, Any], lr: float | None = None) -> d
 
 
 def _reduction_fields(extras: dict) -> dict:
-    """The reduction check's worst rank on the steps it ran (nothing on the others): max error and bound ratio."""
+    """The reduction check's worst rank on the steps it ran (nothing on the others): max error and bound ratio, and
+    that rank's fp16 underflow floor (in units of the same bound) where the pass counted it."""
     errors, ratios = extras.get("reduction_rel_error"), extras.get("reduction_bound_ratio")
     if errors is None or ratios is None:
         return {}
@@ -85,4 +86,8 @@ def _reduction_fields(extras: dict) -> dict:
     if len(finite) < len(errors):  # a rank's local gradient was NaN/Inf: left to the non-finite audit
         return {"reduction_rel_error": None, "reduction_bound_ratio": None, "reduction_worst_rank": None}
     worst = max(finite, key=lambda r: ratios[r])
-    return {"reduction_rel_error": max(errors), "reduction_bound_ratio": ratios[worst], "reduction_worst_rank": worst}
+    row = {"reduction_rel_error": max(errors), "reduction_bound_ratio": ratios[worst], "reduction_worst_rank": worst}
+    floors = extras.get("reduction_fp16_floor")
+    if floors is not None:
+        row["reduction_fp16_floor"] = floors[worst]
+    return row

@@ -5,7 +5,8 @@
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
-(torch's fp16_compress_hook on every rank); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
+(torch's fp16_compress_hook on every rank; fp16-hook=S: the loss times S, so S=1e-5 puts the gradients under fp16's
+normal range as a large model's are); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
@@ -72,6 +73,8 @@ def main():
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         forward = model.module if mode == "module-forward" else model
         loss = torch.nn.functional.mse_loss(forward(x), y)
+        if mode == "fp16-hook" and value:  # fp16-hook=S: the loss (so every gradient) times S
+            loss = loss * float(value)
         loss.backward()
         if mode != "never-step":
             optimizer.step()

@@ -122,6 +122,13 @@ def test_a_scripts_comm_hook_is_left_to_it_when_the_monitor_reads_grad(tmp_path)
     assert audits["environment"]["passed"] and reduction["passed"], reduction
     assert "within rounding in fp16 (the script's fp16_compress_hook)" in reduction["message"], reduction
     assert reduction["max_rel_error"] > 1e-5, reduction  # the compression was real: far above fp32's rounding
+    # Gradients ~2e-5, under fp16's normal range as most of a large model's are: they round off by up to 2^-25 each
+    # whatever their size (12.9x the relative bound alone), and the floor that underflow can add joins the bound.
+    done, out = probe(tmp_path / "fp16-small", "fp16-hook=1e-5", "--set", "metrics.reduction_check_every=1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    reduction = json.loads((out / "result.json").read_text())["audits"]["reduction_numerics"]
+    assert reduction["passed"] and reduction["max_rel_error"] > 1e-2 and reduction["underflow_share"] > 0.9, reduction
+    assert "fp16 underflow" in reduction["message"], reduction
     done, out = probe(tmp_path / "fp16-off", "fp16-hook-off=1", "--set", "metrics.reduction_check_every=1")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     reduction = json.loads((out / "result.json").read_text())["audits"]["reduction_numerics"]

@@ -435,7 +435,16 @@ def test_reduction_audit_with_a_scripts_own_comm_hook():
     # Beyond what the wire rounds to: a device that computes wrong is still named, the hook and the underflow said.
     corrupt = [{**fp16[0], "reduction_bound_ratio": 2260.0 * 20}]
     bad = reduction_audit(corrupt, 2, "BuiltinCommHookType.FP16_COMPRESS", "float32")
-    assert not bad.passed and bad.ranks == (1,) and "under fp16's normal range" in bad.message, bad.message
+    assert not bad.passed and bad.ranks == (1,) and "beyond the compression, underflow included" in bad.message, bad.message
+    # Gradients under fp16's normal range round off by up to 2^-25 whatever their size: the pass's floor (in units of
+    # the fp32 bound) joins the bound on an fp16 wire, and the message says how much of it is underflow.
+    small = [{**fp16[0], "reduction_bound_ratio": 150_000.0, "reduction_fp16_floor": 300_000.0}]
+    assert not reduction_audit([{**small[0], "reduction_fp16_floor": None}], 2, "fp16_compress_hook").passed
+    under = reduction_audit(small, 2, "fp16_compress_hook", "float32")
+    assert under.passed and 0.45 < under.details["max_bound_ratio"] < 0.5 and 0.95 < under.details["underflow_share"] < 0.97
+    assert under.message.endswith("fp16 underflow (gradient values under N x 6.1e-05 on a rank) makes up 96% of that bound")
+    assert not reduction_audit(small, 2, "bf16_compress_hook").passed  # bf16 keeps fp32's exponents: no floor
+    assert not reduction_audit(small, 2).passed  # nor DDP's own fp32 all-reduce
     # bf16 on the wire: 8 bits of mantissa, a wider bound than fp16's. A bf16 model's buckets: the same unit roundoff,
     # and one rounding more (the hook's cast and division, N + 1 in all, against DDP's N).
     assert reduction_audit(corrupt, 2, "bf16_compress_hook", "float32").passed

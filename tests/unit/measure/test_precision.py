@@ -90,3 +90,39 @@ def test_the_gemm_dot_on_cuda_is_accurate_to_fp32_accumulation():
     exact = float(a.double() @ b.double())
     got = float(precision.dot_fp32(a, b))
     assert abs(got - exact) <= 1e-5 * float(a.double().abs() @ b.double().abs())
+
+
+def _fp16_compressed_mean(local: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """torch's fp16_compress_hook on N ranks (rows): cast, divide by N, sum in fp16 in ``order``, back to fp32."""
+    parts = local.to(torch.float16).div_(local.shape[0])
+    total = parts[order[0]].clone()
+    for rank in order[1:]:
+        total = total + parts[rank]
+    return total.to(local.dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_the_fp16_underflow_floor_bounds_what_the_relative_bound_cannot(world):
+    # Gradients from 1 down to 1e-9 (a large model's are mostly under fp16's normal range once divided by N), with
+    # zeros; then values at the threshold and just under it. The relative bound plus the floor always holds, and the
+    # relative bound alone does not once the values are small (so the floor is what lets a correct wire pass).
+    g = torch.Generator().manual_seed(world)
+    threshold = world * precision.FP16_SMALLEST_NORMAL
+    relative = precision.gamma(world + 1, 2.0**-11) + precision.gamma(world, 2.0**-53)
+    edge = torch.randn(world, 50_000, generator=g) * threshold
+    edge[:, ::3] = threshold
+    edge[:, 1::3] = torch.nextafter(torch.tensor(threshold), torch.tensor(0.0))
+    cases = [torch.randn(world, 50_000, generator=g) * scale for scale in (1.0, 1e-2, 1e-4, 3e-5, 1e-5, 1e-6, 1e-7, 1e-9)]
+    exceeded_alone = []
+    for local in cases + [edge]:
+        local[:, :100] = 0.0
+        order = torch.randperm(world, generator=g).tolist()
+        reduced = _fp16_compressed_mean(local, order).double()
+        exact = local.double()
+        error = float((reduced - exact.mean(0)).norm())
+        abs_mean = float((exact.abs().mean(0)).norm())
+        at_risk = ((exact.abs() < threshold) & (exact != 0)).sum(0).double()
+        floor = precision.fp16_underflow_floor(world, float(at_risk @ at_risk))
+        assert error <= relative * abs_mean + floor, (float(local.abs().max()), error, relative * abs_mean, floor)
+        exceeded_alone.append(error > relative * abs_mean)
+    assert exceeded_alone[:2] == [False, False] and all(exceeded_alone[4:8]), exceeded_alone

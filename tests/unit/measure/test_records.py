@@ -52,6 +52,9 @@ def test_reduction_fields_name_the_worst_rank_by_bound_ratio():
     extras = {"reduction_rel_error": [1e-7, 5e-8], "reduction_bound_ratio": [0.1, 0.4]}
     row = aggregate_row(0, _metrics(extras))
     assert row["reduction_rel_error"] == 1e-7 and row["reduction_bound_ratio"] == 0.4 and row["reduction_worst_rank"] == 1
+    assert "reduction_fp16_floor" not in row  # FSDP2's pass does not count it
+    row = aggregate_row(0, _metrics({**extras, "reduction_fp16_floor": [3.0, 2.0]}))
+    assert row["reduction_fp16_floor"] == 2.0  # the worst rank's, with its ratio
 
 
 def test_a_nonfinite_reduction_check_is_left_to_the_nonfinite_audit():
