@@ -57,9 +57,26 @@ class ModelConfig(_Section):
         ),
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Dtype of the model weights (and so of the gradient buckets)."
+        "float32",
+        description=(
+            "Dtype of the model weights (and so of the gradient buckets): float32 or bfloat16. float16 is refused: "
+            "the probe's AdamW cannot train fp16 weights (for fp16 mixed precision, probe your own loop with --script)."
+        ),
     )
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model directory. Never turned on implicitly.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _trainable(cls, value: str) -> str:
+        # AdamW keeps its state in the weights' dtype. In fp16 its eps (1e-8) and the square of any gradient under
+        # 2.4e-4 are 0, so the first update divides by 0: the default probe went non-finite on every rank at step 1.
+        # torch's GradScaler refuses fp16 gradients, and fp16 training is autocast over fp32 weights anyway.
+        if value == "float16":
+            raise ValueError(
+                "float16 weights cannot train under the probe's AdamW (eps 1e-8 and small gradients' squares are 0 in "
+                "fp16: the first update is inf); use bfloat16, or --script with your own fp16 mixed-precision loop"
+            )
+        return value
 
 
 class DataConfig(_Section):

@@ -57,6 +57,7 @@ def stream_local_gradients(
     pending: list[tuple[Any, Any]] = []
     pending_numel = 0
     worst_roundoff = 0.0
+    fp16_buckets = False  # DDP's own division by N then rounds in fp16: the floor joins this pass's bound
     header_rows: list[Any] = []
 
     def flush(last: bool = False) -> None:
@@ -97,6 +98,7 @@ def stream_local_gradients(
         if reduction and reduced is None:
             raise RuntimeError("stream_local_gradients: a piece has no reduced result to check")
         worst_roundoff = max(worst_roundoff, unit_roundoff(local.dtype))
+        fp16_buckets = fp16_buckets or local.dtype == torch.float16
         if pending and pending[0][0].dtype != local.dtype:
             flush()
         start = 0
@@ -111,30 +113,35 @@ def stream_local_gradients(
     flush(last=True)
     out: dict[str, Any] = {"header_rows": header_rows[0]} if header_rows else {}
     if reduction:
-        out.update(reduction_error(sums.cpu().tolist(), world, worst_roundoff))
+        out.update(reduction_error(sums.cpu().tolist(), world, worst_roundoff, fp16_buckets=fp16_buckets))
     return gram_out, out
 
 
-def reduction_error(sums: Sequence[float], world: int, worst_roundoff: float) -> dict[str, float]:
+def reduction_error(sums: Sequence[float], world: int, worst_roundoff: float, *, fp16_buckets: bool = False) -> dict[str, float]:
     """``reduction_rel_error`` and ``reduction_bound_ratio`` from ‖reduced − mean‖², ‖mean‖², ‖mean |g|‖².
 
-    With a fourth sum, Σ_e k_e² of the ranks whose value could go subnormal on an fp16 wire, also
-    ``reduction_fp16_floor``: :func:`~healthcheck.measure.precision.fp16_underflow_floor` in units of the same
-    bound, which the judge adds to the bound only when the script's comm hook compresses to fp16.
+    A fourth sum, Σ_e k_e² of the ranks whose value could round into fp16's subnormal range, gives the floor fp16's
+    underflow adds (:func:`~healthcheck.measure.precision.fp16_underflow_floor`). With ``fp16_buckets`` (DDP divides
+    fp16 buckets by N in fp16) it joins this bound; otherwise it is returned as ``reduction_fp16_floor``, in units of
+    the bound, for the judge to add where the script's comm hook compresses to fp16.
 
     >>> reduction_error([0.0, 4.0, 4.0], 8, 2.0**-24)
     {'reduction_rel_error': 0.0, 'reduction_bound_ratio': 0.0}
     >>> reduction_error([0.0, 4.0, 4.0, 0.0], 8, 2.0**-24)["reduction_fp16_floor"]
     0.0
+    >>> sorted(reduction_error([1e-6, 4.0, 4.0, 1e6], 8, 2.0**-11, fp16_buckets=True))  # in the bound already
+    ['reduction_bound_ratio', 'reduction_rel_error']
     """
     error_sq, mean_sq, abs_mean_sq = sums[:3]
     bound = (gamma(world, worst_roundoff) + gamma(world, 2.0**-53)) * math.sqrt(abs_mean_sq)
+    floor = fp16_underflow_floor(world, sums[3]) if len(sums) > 3 else 0.0
+    if fp16_buckets:
+        bound, floor = bound + floor, 0.0
     error = math.sqrt(error_sq)
     out = {
         "reduction_rel_error": error / math.sqrt(mean_sq) if mean_sq > 0 else (0.0 if error == 0 else math.inf),
         "reduction_bound_ratio": error / bound if bound > 0 else (0.0 if error == 0 else math.inf),
     }
-    if len(sums) > 3:
-        floor = fp16_underflow_floor(world, sums[3])
+    if len(sums) > 3 and not fp16_buckets:
         out["reduction_fp16_floor"] = floor / bound if bound > 0 else (0.0 if floor == 0 else math.inf)
     return out

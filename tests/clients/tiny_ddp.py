@@ -6,7 +6,8 @@
 steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
 (torch's fp16_compress_hook on every rank; fp16-hook=S: the loss times S, so S=1e-5 puts the gradients under fp16's
-normal range as a large model's are); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
+normal range as a large model's are); half (an fp16 model and data under SGD, so DDP reduces fp16 buckets;
+half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming back 1% off: a device
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
@@ -47,6 +48,8 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
+    dtype = torch.float16 if mode == "half" else torch.float32
+    model = model.to(dtype)
     if mode != "no-ddp":
         model = DDP(model, gradient_as_bucket_view=mode == "bucket-view")
     if mode == "compiled":
@@ -66,14 +69,14 @@ def main():
             return
         if mode == "raise-at" and step == int(value) and rank == 1:
             raise ValueError(f"bad batch at step {step}")
-        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        x, y = torch.randn(8, 16, generator=generator).to(dtype), torch.randn(8, 4, generator=generator).to(dtype)
         if mode == "late-comm-hook" and step == 1:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         forward = model.module if mode == "module-forward" else model
         loss = torch.nn.functional.mse_loss(forward(x), y)
-        if mode == "fp16-hook" and value:  # fp16-hook=S: the loss (so every gradient) times S
+        if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
             loss = loss * float(value)
         loss.backward()
         if mode != "never-step":

@@ -129,6 +129,12 @@ def test_a_scripts_comm_hook_is_left_to_it_when_the_monitor_reads_grad(tmp_path)
     reduction = json.loads((out / "result.json").read_text())["audits"]["reduction_numerics"]
     assert reduction["passed"] and reduction["max_rel_error"] > 1e-2 and reduction["underflow_share"] > 0.9, reduction
     assert "fp16 underflow" in reduction["message"], reduction
+    # An fp16 model: DDP divides its fp16 buckets by N in fp16, so the same floor joins the buckets' own bound (16.5x
+    # the relative bound without it).
+    done, out = probe(tmp_path / "half-small", "half=1e-5", "--set", "metrics.reduction_check_every=1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    reduction = json.loads((out / "result.json").read_text())["audits"]["reduction_numerics"]
+    assert reduction["passed"] and reduction["max_rel_error"] > 1e-2, reduction
     done, out = probe(tmp_path / "fp16-off", "fp16-hook-off=1", "--set", "metrics.reduction_check_every=1")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     reduction = json.loads((out / "result.json").read_text())["audits"]["reduction_numerics"]

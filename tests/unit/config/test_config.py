@@ -54,6 +54,15 @@ def test_nproc_below_two(tmp_path):
     assert "distributed.nproc: must be >= 2" in error_of(write(tmp_path, "distributed: {nproc: 1}\n"))
 
 
+def test_float16_weights_are_refused_with_the_reason(tmp_path):
+    # The probe's AdamW on fp16 weights: eps and small gradients' squares are 0, so the first update is inf (the
+    # default probe went non-finite on every rank at step 1). Refused on every rank, not left to a NaN verdict.
+    for message in (error_of(write(tmp_path, "model: {dtype: float16}\n")),
+                    error_of(None, ["rank_overrides={1: {model: {dtype: float16}}}"])):
+        assert "model.dtype: float16 weights cannot train under the probe's AdamW" in message and "bfloat16" in message
+    assert load_config(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+
+
 def test_rank_override_outside_world():
     message = error_of(None, ["distributed.nproc=4", "rank_overrides={4: {train: {seed: 1}}}"])
     assert "rank_overrides: rank 4 is outside the world (nproc=4)" in message
