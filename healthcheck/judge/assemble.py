@@ -95,8 +95,11 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     # A script's own comm hook, where every rank has the same one (else the environment audit names the rank).
     hooks = {str(e.extra.get("ddp.comm_hook", "")) for e in per_rank} or {""}
     dtypes = {str(e.extra.get("model_dtype", "float32")) for e in per_rank} or {"float32"}
+    states = {str(e.extra.get("ddp.comm_hook_state", "")) for e in per_rank} or {""}
     hook = hooks.pop() if len(hooks) == 1 else ""
-    outcomes["reduction_numerics"] = reduction_audit(checked, world, hook, dtypes.pop() if len(dtypes) == 1 else "float32")
+    outcomes["reduction_numerics"] = reduction_audit(
+        checked, world, hook, dtypes.pop() if len(dtypes) == 1 else "float32", states.pop() if len(states) == 1 else ""
+    )
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
     outcomes["replay"] = replay_outcome(config, evidence.replay, differ, hooks_difference(per_rank))

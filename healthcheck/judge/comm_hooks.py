@@ -19,6 +19,8 @@ Names are as DDP's logging data records them (``ddp.comm_hook`` in the environme
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
 from healthcheck.measure.precision import gamma
 
 #: Hooks that round to a lower precision on the wire: their wire dtype.
@@ -33,6 +35,9 @@ COMPRESSING = {
 APPROXIMATING = frozenset(
     {"powerSGD_hook", "batched_powerSGD_hook", "quantization_pertensor_hook", "quantization_perchannel_hook", "post_localSGD_hook"}
 )
+#: Hook states (``ddp.comm_hook_state``) that say the hook approximates, whatever wraps it: a wrapper is logged under
+#: its own name (``fp16_compress_wrapper(powerSGD_hook)``: ``fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook``).
+APPROXIMATING_STATES = frozenset({"PowerSGDState", "PostLocalSGDState"})
 #: Unit roundoff (half the machine epsilon) by dtype name, as the ranks' ``model_dtype`` fact and the wire name them.
 ROUNDOFF = {
     "fp16": 2.0**-11, "float16": 2.0**-11, "bf16": 2.0**-8, "bfloat16": 2.0**-8,
@@ -81,11 +86,44 @@ def underflow_share(world: int, bucket_dtype: str, wire: str, fp16_floor: float)
     return fp16_floor / (wire_factor(world, bucket_dtype, wire) + fp16_floor)
 
 
-def approximating_message(hook: str) -> str:
+def short_name(hook: str) -> str:
+    """A hook's name without the function that made it (a wrapper's qualname), as the tables above name it.
+
+    >>> short_name("fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook")
+    'fp16_compress_wrapper_hook'
+    >>> short_name("BuiltinCommHookType.FP16_COMPRESS")
+    'BuiltinCommHookType.FP16_COMPRESS'
+    """
+    return hook.rsplit(".", 1)[-1] if "<locals>" in hook else hook
+
+
+def approximates(hook: str, state: str) -> bool:
+    """Whether the script's hook does not compute the mean by design (outside an exact phase: :func:`exact_rows`).
+
+    >>> approximates("fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook", "PowerSGDState")
+    True
+    >>> approximates("fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook", "ProcessGroup")
+    False
+    """
+    return short_name(hook) in APPROXIMATING or state in APPROXIMATING_STATES
+
+
+def exact_rows(rows: Sequence[Mapping[str, Any]], hook: str) -> tuple[list[Mapping[str, Any]], str]:
+    """The checked steps an approximating hook reduced exactly (``comm_hook_exact``: PowerSGD and post-local SGD
+    all-reduce until their start iteration), and how the message says which were judged ("" for every step)."""
+    exact = [r for r in rows if r.get("comm_hook_exact") == 1]
+    if not exact or len(exact) == len(rows):
+        return exact, f"; {hook} still all-reduced exactly (before its start iteration)" if exact else ""
+    return exact, (f"; judged on the {len(exact)} checked steps {hook} still all-reduced exactly, not the "
+                   f"{len(rows) - len(exact)} after its start iteration, where it approximates")
+
+
+def approximating_message(hook: str, past_start: bool = False) -> str:
     """The reduction check's "not judged" line for a hook that does not compute the mean by design."""
     return (
-        f"not measured: the script's comm hook ({hook}) approximates the all-reduce by design, so the reduced gradient "
-        "is not the mean of the local gradients and no rounding bound applies"
+        f"not measured: the script's comm hook ({hook}) approximates the all-reduce by design"
+        + (" (every checked step came after its start iteration)" if past_start else "")
+        + ", so the reduced gradient is not the mean of the local gradients and no rounding bound applies"
     )
 
 

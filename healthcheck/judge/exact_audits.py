@@ -308,7 +308,7 @@ def _floor(row: Mapping[str, Any]) -> float:
 
 
 def reduction_audit(
-    rows: Sequence[Mapping[str, Any]], world_size: int, comm_hook: str = "", bucket_dtype: str = "float32"
+    rows: Sequence[Mapping[str, Any]], world_size: int, comm_hook: str = "", bucket_dtype: str = "float32", hook_state: str = ""
 ) -> AuditOutcome:
     """Is the all-reduced mean gradient the float64 mean of the local gradients, up to rounding?
 
@@ -317,13 +317,19 @@ def reduction_audit(
     (that error over the worst case a correct sum in the bucket dtype can round to, so > 1 cannot be
     rounding) and ``reduction_worst_rank``. Steps where a local gradient was NaN/Inf carry None and
     are left to the non-finite audit. ``comm_hook``: the script's own DDP comm hook, the same on every rank ("" or
-    "none" without one); a compressing one is judged against its wire's rounding, an approximating one not at all
-    (:mod:`healthcheck.judge.comm_hooks`); ``bucket_dtype``: the ranks' parameter dtype.
+    "none" without one); a compressing one is judged against its wire's rounding, an approximating one only on the
+    steps it still reduced exactly (:mod:`healthcheck.judge.comm_hooks`); ``bucket_dtype``: the ranks' parameter dtype;
+    ``hook_state``: the type of the state the hook was registered with (``ddp.comm_hook_state``).
     """
     hook = "" if comm_hook in ("", "none", "?") else comm_hook
-    if hook in comm_hooks.APPROXIMATING:
-        return AuditOutcome(True, comm_hooks.approximating_message(hook), "approximating-hook", (), {"comm_hook": hook}, measured=False)
     checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
+    phase = ""
+    if hook and comm_hooks.approximates(hook, hook_state):
+        exact, phase = comm_hooks.exact_rows(checked, hook)
+        if not exact:
+            message = comm_hooks.approximating_message(hook, past_start=bool(checked) and "comm_hook_exact" in checked[0])
+            return AuditOutcome(True, message, "approximating-hook", (), {"comm_hook": hook}, measured=False)
+        checked = exact
     if not checked:
         return AuditOutcome(
             True,
@@ -332,7 +338,7 @@ def reduction_audit(
             (),
             measured=False,
         )
-    wire = comm_hooks.COMPRESSING.get(hook)
+    wire = comm_hooks.COMPRESSING.get(comm_hooks.short_name(hook))
     if wire is not None:
         checked = [{**r, "reduction_bound_ratio": comm_hooks.wire_bound_ratio(
             r["reduction_bound_ratio"], world_size, bucket_dtype, wire, _floor(r)), "underflow_share": comm_hooks.underflow_share(
@@ -354,7 +360,7 @@ def reduction_audit(
             f"the all-reduced gradient matches the float64 mean of the local gradients on "
             f"{ranks_phrase(range(world_size))} within {rounding}: max relative error {max_error:.2g} over "
             f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
-            f"worst-case rounding bound{underflow}",
+            f"worst-case rounding bound{underflow}{phase}",
             "within-bound",
             (),
             details,
@@ -374,7 +380,7 @@ def reduction_audit(
         f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
         f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
         f"{worst['reduction_bound_ratio']:.3g}x the worst case of {rounding} of a correct sum over "
-        f"{world_size} ranks: {cause}",
+        f"{world_size} ranks: {cause}{phase}",
         "exceeds-bound",
         ranks,
         details,

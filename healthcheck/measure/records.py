@@ -78,7 +78,8 @@ def aggregate_row(step: int, data: dict[str, Any], lr: float | None = None) -> d
 
 def _reduction_fields(extras: dict) -> dict:
     """The reduction check's worst rank on the steps it ran (nothing on the others): max error and bound ratio, and
-    that rank's fp16 underflow floor (in units of the same bound) where the pass counted it."""
+    that rank's fp16 underflow floor (in units of the same bound) where the pass counted it, and whether the script's
+    comm hook was in its exact phase."""
     errors, ratios = extras.get("reduction_rel_error"), extras.get("reduction_bound_ratio")
     if errors is None or ratios is None:
         return {}
@@ -90,4 +91,9 @@ def _reduction_fields(extras: dict) -> dict:
     floors = extras.get("reduction_fp16_floor")
     if floors is not None:
         row["reduction_fp16_floor"] = floors[worst]
+    # Whether the script's hook still all-reduced exactly (PowerSGD before its start iteration): exact only if on
+    # every rank (measure/script_hook.py); absent for hooks without such a phase.
+    phases = extras.get("comm_hook_exact")
+    if phases is not None and all(finite_or_none(v) is not None for v in phases):
+        row["comm_hook_exact"] = min(phases)
     return row

@@ -3,7 +3,8 @@
 torchrun --nproc_per_node 4 -- accelerate_loop.py --model DIR --data JSON --steps 6 --log loss.jsonl [--comm-hook fp16]
 
 --comm-hook: accelerate's DistributedDataParallelKwargs(comm_hook=...) (fp16: torch's fp16_compress_hook, registered
-by accelerate right after it wraps the model).
+by accelerate right after it wraps the model); --comm-wrapper: its comm_wrapper (fp16: fp16_compress_wrapper around
+the hook); --power-sgd-start N: comm_state_option={"start_powerSGD_iter": N} (PowerSGD all-reduces exactly until then).
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
 rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
@@ -38,9 +39,13 @@ def main():
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--comm-hook", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
+    ap.add_argument("--comm-wrapper", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
+    ap.add_argument("--power-sgd-start", type=int, default=None)
     args = ap.parse_args()
 
-    ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook))
+    state = {} if args.power_sgd_start is None else {"start_powerSGD_iter": args.power_sgd_start}
+    ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook),
+                                               comm_wrapper=DDPCommunicationHookType(args.comm_wrapper), comm_state_option=state)
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs])
     set_seed(1234)
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -395,23 +395,15 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     return facts
 
 
-def _script_comm_hook(model: Any) -> str:
-    """The comm hook the script registered (where the monitor reads .grad), as DDP's logging names it; "none" without
-    one, or where the monitor's hook holds DDP's slot. A rank that compresses its buckets reduces other numbers."""
-    from healthcheck.measure.local_grads import registered_comm_hook
-
-    name = registered_comm_hook(model)
-    return "?" if name is None else (name or "none")
-
-
 def wrapper_facts(model: Any) -> dict[str, str]:
     """Settings of the data-parallel wrapper that change how gradients are reduced (DDP or FSDP2)."""
+    from healthcheck.measure import script_hook
     from healthcheck.measure.fsdp_internals import is_fsdp_module, root_facts
 
     if is_fsdp_module(model):
         return root_facts(model)
     return {
-        "ddp.comm_hook": _script_comm_hook(model),
+        **script_hook.hook_facts(model),  # the script's own hook and its state: a rank that compresses reduces others
         "ddp.bucket_bytes_cap": str(getattr(model, "bucket_bytes_cap", "?")),
         "ddp.find_unused_parameters": str(getattr(model, "find_unused_parameters", "?")),
         "ddp.gradient_as_bucket_view": str(getattr(model, "gradient_as_bucket_view", "?")),

@@ -46,6 +46,7 @@ from healthcheck.judge.assemble import environment_from_evidence, parameter_outc
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.fail_fast import FailFast, StepAudits
 from healthcheck.measure import distributed as hdist
+from healthcheck.measure import script_hook
 from healthcheck.measure.evidence import AuditRecorder
 
 
@@ -274,6 +275,7 @@ class ScriptSession:
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
         extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None  # gathered: every rank's, as it stepped
         extras["grads_carried"] = self._grad_start.take() if self._grad_start is not None else None
+        extras["comm_hook_exact"] = script_hook.step_extras(self.model).get("comm_hook_exact")  # every rank: one column
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         if self._replay is not None and self._replay.due(step):
             self._replay_round(step)

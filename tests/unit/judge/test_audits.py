@@ -453,6 +453,22 @@ def test_reduction_audit_with_a_scripts_own_comm_hook():
     # No bound exists for a hook that approximates the mean: not judged, with the hook named.
     low_rank = reduction_audit(corrupt, 2, "powerSGD_hook")
     assert low_rank.passed and not low_rank.measured and "powerSGD_hook" in low_rank.message
+    # Until its start iteration PowerSGD all-reduces exactly (comm_hook_exact, measure/script_hook.py): judged there.
+    early = [{**fp16[0], "step": 0, "reduction_bound_ratio": 0.2, "comm_hook_exact": 1.0},
+             {**fp16[0], "step": 1, "reduction_bound_ratio": 30.0, "comm_hook_exact": 1.0},
+             {**fp16[0], "step": 2, "reduction_bound_ratio": 5000.0, "comm_hook_exact": 0.0}]
+    wrong = reduction_audit(early, 2, "powerSGD_hook", "float32", "PowerSGDState")
+    assert not wrong.passed and wrong.ranks == (1,) and wrong.details["checked_steps"] == [0, 1], wrong.details
+    assert wrong.message.endswith("not the 1 after its start iteration, where it approximates"), wrong.message
+    assert reduction_audit(early[:1] + early[2:], 2, "batched_powerSGD_hook").passed
+    past = reduction_audit(early[2:], 2, "powerSGD_hook")
+    assert not past.measured and "every checked step came after its start iteration" in past.message, past.message
+    # A wrapper is logged under its own qualname whatever it wraps: its state says PowerSGD, else it is the wire.
+    wrapper = "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook"
+    assert reduction_audit(fp16, 2, wrapper, "float32", "ProcessGroup").details["wire"] == "fp16"
+    assert not reduction_audit(fp16, 2, wrapper, "float32", "PowerSGDState").measured
+    inside = reduction_audit([{**fp16[0], "comm_hook_exact": 1.0}], 2, wrapper, "float32", "PowerSGDState")
+    assert inside.passed and inside.measured and inside.details["wire"] == "fp16", inside.message
     # Any other hook is judged as DDP's own reduction, and named where it fails.
     custom = reduction_audit(corrupt, 2, "my_hook")
     assert not custom.passed and custom.message.endswith("the script registers its own comm hook, my_hook"), custom.message

@@ -55,6 +55,9 @@ def test_reduction_fields_name_the_worst_rank_by_bound_ratio():
     assert "reduction_fp16_floor" not in row  # FSDP2's pass does not count it
     row = aggregate_row(0, _metrics({**extras, "reduction_fp16_floor": [3.0, 2.0]}))
     assert row["reduction_fp16_floor"] == 2.0  # the worst rank's, with its ratio
+    # The script's hook in its exact phase only if on every rank; absent where any rank has no such phase.
+    assert aggregate_row(0, _metrics({**extras, "comm_hook_exact": [1.0, 0.0]}))["comm_hook_exact"] == 0.0
+    assert "comm_hook_exact" not in aggregate_row(0, _metrics({**extras, "comm_hook_exact": [1.0, None]}))
 
 
 def test_a_nonfinite_reduction_check_is_left_to_the_nonfinite_audit():
