@@ -21,6 +21,8 @@ original on exit, in reverse order, whatever happened in between.
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
 * ``torch.nn.utils``' gradient clipping functions: how the script clips its model (:mod:`.clipping`).
 * ``random.seed`` and ``numpy.random.seed``: the seeds the script gives those generators (:mod:`.seeds`).
+* ``torch.amp.GradScaler.unscale_`` and ``step``: which scaler unscaled which optimizer, for the step's loss scale,
+  and the steps it skipped (:mod:`.step_facts`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.script import clipping, seeds
+from healthcheck.integrations.script import clipping, seeds, step_facts
 from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
@@ -81,7 +83,8 @@ class Patches:
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
-    ``session.clips.observe(...)`` and ``session.seeds.record(...)``."""
+    ``session.clips.observe(...)``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
+    ``session.on_scaler_step(optimizer)``."""
     import random
 
     import numpy
@@ -172,6 +175,7 @@ def install(session: Any) -> Patches:
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
         clipping.patch(patches, lambda *call: session.clips.observe(*call))
+        step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
         patches.wrap(numpy.random, "seed", seeds.seeding("numpy", lambda: session.seeds))
     except BaseException:

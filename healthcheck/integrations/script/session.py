@@ -24,9 +24,8 @@ The run layer supplies heartbeats, faults and row writing through :class:`Sessio
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
@@ -40,32 +39,16 @@ from healthcheck.integrations.script.monitor_start import make_monitor
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.seeds import SeedCalls
+from healthcheck.integrations.script.session_hooks import ProbeComplete, SessionHooks
 from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
+from healthcheck.integrations.script.step_facts import ScaleRecorder, step_facts
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.fail_fast import FailFast, StepAudits
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure import script_hook
 from healthcheck.measure.evidence import AuditRecorder
-
-
-class ProbeComplete(BaseException):
-    """Unwinds the script once the probe has its steps (a BaseException: ``except Exception`` lets it by)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class SessionHooks:
-    """What the run layer does at the session's moments (every callable runs on every rank)."""
-
-    beat: Callable[[int, str], None]  #: heartbeat: (step, phase)
-    at_step_start: Callable[[int], None]  #: injected faults of the step (crash, hang)
-    after_step: Callable[[int], None] = lambda step: None  #: injected slowness, inside the next step's work
-    on_metrics: Callable[[int, Any], None]  #: (step, StepMetrics): rows and progress
-    on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
-    install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
-    #: (module, loss_of, device, device names) -> the replay audit's rounds, or None when switched off
-    make_replay: Callable[[Any, Any, Any, list[str]], Any] = lambda module, loss_of, device, names: None
+from healthcheck.measure.loss_scale import unscaled
 
 
 class ScriptSession:
@@ -76,6 +59,7 @@ class ScriptSession:
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
         self.clips = ClipRecorder(lambda: self._param_ids)
+        self.scales = ScaleRecorder()  #: which GradScaler unscaled which optimizer this step (fp16 mixed precision)
         self.loaders = observe.LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
@@ -272,10 +256,8 @@ class ScriptSession:
         extras["loss_weight"] = step_loss.weight  # the loss's weight in this rank's backward (judge/loss_weight.py)
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
-        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        extras["lr"] = float(lr) if isinstance(lr, (int, float)) else None  # gathered: every rank's, as it stepped
+        extras.update(step_facts(optimizer, self.model, self.scales))  # lr, grad_scale, comm_hook_exact: every rank's
         extras["grads_carried"] = self._grad_start.take() if self._grad_start is not None else None
-        extras["comm_hook_exact"] = script_hook.step_extras(self.model).get("comm_hook_exact")  # every rank: one column
         self._record(self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras))
         if self._replay is not None and self._replay.due(step):
             self._replay_round(step)
@@ -285,11 +267,21 @@ class ScriptSession:
         """A step's metrics (they arrive a step late): rows on rank 0, and a stop on a non-finite value."""
         if metrics is None:
             return
+        metrics = unscaled(metrics)  # a GradScaler's scale, common to every rank, out of the norms (measure/loss_scale.py)
         self.hooks.on_metrics(metrics.step, metrics)
         # Every rank sees the same gathered metrics, so all stop after the same step.
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
         if self.fail_fast.policy.enabled:  # the exact audits of the steps' gathered values (loss weight, stale gradients)
             self.fail_fast.judge(metrics.step, self._step_audits.add(metrics.step, metrics.per_rank_extras, metrics.per_rank_tokens))
+
+    def on_scaler_step(self, optimizer: Any) -> None:
+        """A ``GradScaler.step`` returned: where it skipped this optimizer's step (an inf or NaN gradient), that
+        backward was no probe step, so the loss it captured and its timing start are dropped (:mod:`.step_facts`)."""
+        if self.scales.skipped(optimizer) and self.monitor is not None and self._owns(optimizer):
+            self.capture.take()
+            if self._keeper is not None:
+                self._keeper.reset()
+            self._last_post = time.perf_counter()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer):

@@ -1,0 +1,81 @@
+"""fp16 mixed precision with a GradScaler, as PyTorch's AMP recipe writes it (tests/clients/amp_ddp.py, CPU autocast).
+
+The scaler multiplies every gradient DDP reduces by its scale: the probe's norms are divided by it where every rank's
+is the same, and the steps it skips (an inf gradient: no optimizer step) are not probe steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.e2e.conftest import read_rows, run_cli
+from tests.e2e.test_script_mode import CLIENTS
+
+AMP = CLIENTS / "amp_ddp.py"
+STEPS = 8
+
+
+def probe(out, *script_args: str, nproc: int = 2):
+    return run_cli("probe", "--script", str(AMP), "--out", str(out), "--audits-only", "--set", f"distributed.nproc={nproc}",
+                   "--set", f"train.steps={STEPS}", "--set", "metrics.warmup_steps=1", "--", "--steps", "30", *script_args)
+
+
+def rows_by_key(out):
+    return {(r["step"], r["rank"]): r for r in read_rows(out / "steps.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def unscaled_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("amp") / "no-scaler"
+    done = probe(out, "--no-scaler")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out
+
+
+def test_the_norms_are_the_unscaled_gradients(unscaled_run, tmp_path):
+    # Scaling by a power of two is exact in fp16 short of overflow and underflow: with the scaler at 256 the
+    # gradients are 256x the scaler-free run's, bit for bit but for underflow, and the probe reads them back.
+    done = probe(tmp_path / "run", "--init-scale", "256")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    scaled, plain = rows_by_key(tmp_path / "run"), rows_by_key(unscaled_run)
+    assert len(scaled) == len(plain) == 2 * STEPS
+    for key, row in scaled.items():
+        assert row["grad_scale"] == 256.0 and row["scaler_skips"] == 0.0, row
+        assert row["grad_norm"] == pytest.approx(plain[key]["grad_norm"], rel=1e-4), key
+        assert row["loss"] == pytest.approx(plain[key]["loss"], rel=1e-4), key
+        assert plain[key]["grad_scale"] is None  # GradScaler(enabled=False) steps without unscaling
+    weight = json.loads((tmp_path / "run" / "result.json").read_text())["audits"]["loss_weight"]
+    assert weight["passed"] and "(256 in each of 8 steps)" in weight["message"], weight
+
+
+def test_steps_the_scaler_skips_are_not_probe_steps(unscaled_run, tmp_path):
+    # From 2**20 the first 5 steps overflow on every rank: the scaler never calls optimizer.step() there. The probe's
+    # step 0 is the script's step 5, with that step's own loss and weight (not the skipped steps' summed).
+    done = probe(tmp_path / "run", "--init-scale", "1048576")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps_completed"] == STEPS and all(a["passed"] for a in result["audits"].values()), result["audits"]
+    rows, plain = rows_by_key(tmp_path / "run"), rows_by_key(unscaled_run)
+    logged = dict(re.findall(r"step (\d+) loss (\S+) scale", (tmp_path / "run" / "logs" / "rank-0.log").read_text()))
+    first = rows[(0, 0)]
+    assert first["scaler_skips"] == 5.0 and first["grad_scale"] == 32768.0 and first["loss_weight"] == 32768.0, first
+    assert first["loss"] == pytest.approx(float(logged["5"]), abs=1e-4), (first, logged)
+    assert all(rows[(step, 0)]["scaler_skips"] == 0.0 for step in range(1, STEPS))
+    for key, row in rows.items():  # other data and weights than the scaler-free run's, but the same units
+        assert 0.5 < row["grad_norm"] / plain[key]["grad_norm"] < 2, (key, row["grad_norm"], plain[key]["grad_norm"])
+
+
+def test_a_rank_with_another_scale_is_named(tmp_path):
+    # Rank 1's scaler starts at 512, the others' at 256: its gradient enters the all-reduce with twice the weight, and
+    # each rank divides the mean by its own scale, so the parameters part at the first update.
+    done = probe(tmp_path / "run", "--init-scale", "256", "--rank-scale", "1=512", nproc=3)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["audits"]["param_equality"]["ranks"] == [1], result["audits"]["param_equality"]
+    first = rows_by_key(tmp_path / "run")
+    assert [first[(0, r)]["grad_scale"] for r in range(3)] == [256.0, 512.0, 256.0]
+    # The scales differ, so the norms stay as the reduction saw them: rank 1's is about twice the others'.
+    assert first[(0, 1)]["grad_norm"] > 1.5 * max(first[(0, 0)]["grad_norm"], first[(0, 2)]["grad_norm"])
