@@ -10,9 +10,11 @@ rounding instead: fl(Σ fl(fl(g_i) / N)) takes N + 1 roundings in the wire's uni
 N − 1 additions), so the bound is γ_{N+1}(u_wire) where it was γ_N(u_bucket). fp16's narrow exponent adds an absolute
 floor: a gradient under N·2⁻¹⁴ rounds into the subnormal range, off by up to 2⁻²⁵ whatever its size, and a large
 model's gradients mostly are that small (an fp16 all-reduce of values ~2e-5 read 12.9x the relative bound alone). The
-pass counts those values (``reduction_fp16_floor``), and the floor they can add joins the bound. Hooks that approximate the mean by
-design (PowerSGD's low rank, quantization, local SGD) have no such bound, and the check is not judged. Any other hook
-is judged as DDP's own reduction is: a hook that reduces exactly passes, and the message names the hook where not.
+pass counts those values (``reduction_fp16_floor``), and the floor they can add joins the bound. Hooks that
+approximate the mean by design (PowerSGD's low rank, quantization, local SGD) have no such bound and are not judged,
+except on the steps PowerSGD and post-local SGD still all-reduce exactly, before their state's start iteration
+(``comm_hook_exact``). Any other hook is judged as DDP's own reduction is: a hook that reduces exactly passes, and the
+message names the hook where not. Messages name a wrapper by its last part (``fp16_compress_wrapper_hook``).
 
 Names are as DDP's logging data records them (``ddp.comm_hook`` in the environment facts).
 """
@@ -111,7 +113,7 @@ def approximates(hook: str, state: str) -> bool:
 def exact_rows(rows: Sequence[Mapping[str, Any]], hook: str) -> tuple[list[Mapping[str, Any]], str]:
     """The checked steps an approximating hook reduced exactly (``comm_hook_exact``: PowerSGD and post-local SGD
     all-reduce until their start iteration), and how the message says which were judged ("" for every step)."""
-    exact = [r for r in rows if r.get("comm_hook_exact") == 1]
+    exact, hook = [r for r in rows if r.get("comm_hook_exact") == 1], short_name(hook)
     if not exact or len(exact) == len(rows):
         return exact, f"; {hook} still all-reduced exactly (before its start iteration)" if exact else ""
     return exact, (f"; judged on the {len(exact)} checked steps {hook} still all-reduced exactly, not the "
@@ -121,7 +123,7 @@ def exact_rows(rows: Sequence[Mapping[str, Any]], hook: str) -> tuple[list[Mappi
 def approximating_message(hook: str, past_start: bool = False) -> str:
     """The reduction check's "not judged" line for a hook that does not compute the mean by design."""
     return (
-        f"not measured: the script's comm hook ({hook}) approximates the all-reduce by design"
+        f"not measured: the script's comm hook ({short_name(hook)}) approximates the all-reduce by design"
         + (" (every checked step came after its start iteration)" if past_start else "")
         + ", so the reduced gradient is not the mean of the local gradients and no rounding bound applies"
     )
@@ -130,7 +132,7 @@ def approximating_message(hook: str, past_start: bool = False) -> str:
 def wire_phrase(hook: str, wire: str) -> str:
     """How the messages name the bound a compressing hook is judged against.
 
-    >>> print(wire_phrase("fp16_compress_hook", "fp16"))
-    rounding in fp16 (the script's fp16_compress_hook)
+    >>> print(wire_phrase("fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook", "fp16"))
+    rounding in fp16 (the script's fp16_compress_wrapper_hook)
     """
-    return f"rounding in {wire} (the script's {hook})"
+    return f"rounding in {wire} (the script's {short_name(hook)})"

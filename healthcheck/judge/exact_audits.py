@@ -374,7 +374,7 @@ def reduction_audit(
         cause = "beyond the compression: a corrupted reduction"
     else:
         cause = "a lossy reduction (e.g. bf16 compression) or a corrupted one"
-        cause += f"; the script registers its own comm hook, {hook}" if hook else ""
+        cause += f"; the script registers its own comm hook, {comm_hooks.short_name(hook)}" if hook else ""
     return AuditOutcome(
         False,
         f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "

@@ -469,6 +469,7 @@ def test_reduction_audit_with_a_scripts_own_comm_hook():
     assert not reduction_audit(fp16, 2, wrapper, "float32", "PowerSGDState").measured
     inside = reduction_audit([{**fp16[0], "comm_hook_exact": 1.0}], 2, wrapper, "float32", "PowerSGDState")
     assert inside.passed and inside.measured and inside.details["wire"] == "fp16", inside.message
+    assert "<locals>" not in inside.message and "fp16_compress_wrapper_hook still all-reduced exactly" in inside.message
     # Any other hook is judged as DDP's own reduction, and named where it fails.
     custom = reduction_audit(corrupt, 2, "my_hook")
     assert not custom.passed and custom.message.endswith("the script registers its own comm hook, my_hook"), custom.message
