@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from healthcheck.integrations.live_envelopes import step_aggregates, window_envelopes
 from healthcheck.integrations.loss_capture import LossCapture
+from healthcheck.measure.loss_scale import unscaled
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class HealthcheckCallback(TrainerCallback):
     ``on_pre_optimizer_step`` (after the last micro-step's synchronising backward, before
     ``optimizer.step()``, so gradient accumulation is measured on the accumulated gradient), and in
     ``on_step_end`` logs them through ``trainer.log`` as ``healthcheck/<metric>`` (so they reach
-    whatever ``report_to`` names, and ``trainer.state.log_history``).
+    whatever ``report_to`` names, and ``trainer.state.log_history``). Under ``fp16`` the norms are divided by the
+    accelerator's GradScaler scale, and a step the scaler skips is neither logged nor judged.
 
     With ``envelopes``, each envelope's statistic (median, p95, ...) over the last ``window_steps``
     sampled steps after ``warmup_steps`` is checked once ``min_window_steps`` are in the window.
@@ -93,6 +95,8 @@ class HealthcheckCallback(TrainerCallback):
         self.stopped_at_step: int | None = None
         self._capture: LossCapture | None = None
         self._pending: dict[str, float] | None = None
+        self._pending_in_window = False
+        self._scale: float | None = None
         self._window: list[dict[str, float]] = []
 
     @classmethod
@@ -130,16 +134,27 @@ class HealthcheckCallback(TrainerCallback):
         if step_loss.loss is None and self.loss_note is None:
             self.loss_note = f"step {state.global_step}: {step_loss.reason}"
             log.warning("HealthcheckCallback: loss not measured (%s); the gradient metrics still are", self.loss_note)
-        metrics = self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens)  # a collective: every rank, every step
+        # fp16 (accelerate's GradScaler): the gradients DDP reduced carry the loss scale; its value before update().
+        self._scale = self._grad_scale()
+        extras = {"grad_scale": self._scale} if self._scale is not None else None
+        metrics = self.monitor.end_step(step_loss.loss, tokens=step_loss.tokens, extras=extras)  # a collective: every rank
         if metrics is None:
             return
-        self._pending = step_aggregates(metrics)
-        if state.global_step >= self.warmup_steps:
-            self._window = [*self._window, self._pending][-self.window_steps :]
+        self._pending = step_aggregates(unscaled(metrics))
+        self._pending_in_window = state.global_step >= self.warmup_steps
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending is None:
             return
+        scale = self._grad_scale()
+        if self._scale is not None and scale is not None and scale < self._scale:
+            # The GradScaler found an inf or NaN gradient (fp16 while its scale settles) and backed its scale off: the
+            # update was skipped, so its non-finite gradients are no evidence. Every rank skips alike. (accelerate's
+            # optimizer_step_was_skipped misses the skip of an optimizer that takes the scaling itself: fused AdamW.)
+            self._pending = None
+            return
+        if self._pending_in_window:
+            self._window = [*self._window, self._pending][-self.window_steps :]
         logs = {f"{self.log_prefix}{name}": value for name, value in self._pending.items()}
         self._pending = None
         found = self._judge()
@@ -158,6 +173,11 @@ class HealthcheckCallback(TrainerCallback):
         self.trainer.log(logs)
         control.should_log = self.trainer.control.should_log = should_log
         return control
+
+    def _grad_scale(self) -> float | None:
+        """The accelerator's GradScaler scale (``fp16``), None without one."""
+        scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else None
 
     def _judge(self) -> list[str]:
         if len(self._window) < self.min_window_steps:

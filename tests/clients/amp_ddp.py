@@ -1,11 +1,12 @@
 """fp16 mixed precision under DDP, as PyTorch's AMP recipe writes it: autocast(float16) and a GradScaler (CPU, gloo).
 
-torchrun --nproc_per_node 2 amp_ddp.py --steps 8 [--init-scale 1048576] [--no-scaler] [--rank-scale R=S]
+torchrun --nproc_per_node 2 amp_ddp.py --steps 8 [--init-scale 1048576] [--no-scaler] [--rank-scale R=S] [--fused]
 
 The scaler starts at --init-scale (2**20 overflows in fp16 for the first steps on every rank here, and the scaler skips
 them: optimizer.step() is not called, and the scale halves, as a GPU run starting at 2**16 often does). --no-scaler:
 the same loop with GradScaler(enabled=False). --rank-scale R=S: rank R's scaler starts at S instead (a per-node
-config). The loss is the token cross-entropy a language model's is. Knows nothing about healthcheck.
+config). --fused: AdamW(fused=True), which takes the scaling itself (the scaler calls its step with found_inf set, and
+it skips inside). The loss is the token cross-entropy a language model's is. Knows nothing about healthcheck.
 """
 
 import argparse
@@ -21,12 +22,13 @@ def main():
     ap.add_argument("--init-scale", type=float, default=2.0**20)
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--rank-scale", default="")
+    ap.add_argument("--fused", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)
     init_scale = args.init_scale
     if args.rank_scale and int(args.rank_scale.partition("=")[0]) == rank:
         init_scale = float(args.rank_scale.partition("=")[2])

@@ -46,15 +46,18 @@ def test_the_norms_are_the_unscaled_gradients(unscaled_run, tmp_path):
         assert row["grad_scale"] == 256.0 and row["scaler_skips"] == 0.0, row
         assert row["grad_norm"] == pytest.approx(plain[key]["grad_norm"], rel=1e-4), key
         assert row["loss"] == pytest.approx(plain[key]["loss"], rel=1e-4), key
-        assert plain[key]["grad_scale"] is None  # GradScaler(enabled=False) steps without unscaling
+        assert plain[key]["grad_scale"] == 1.0  # GradScaler(enabled=False) reads 1: nothing to divide
     weight = json.loads((tmp_path / "run" / "result.json").read_text())["audits"]["loss_weight"]
     assert weight["passed"] and "(256 in each of 8 steps)" in weight["message"], weight
 
 
-def test_steps_the_scaler_skips_are_not_probe_steps(unscaled_run, tmp_path):
-    # From 2**20 the first 5 steps overflow on every rank: the scaler never calls optimizer.step() there. The probe's
-    # step 0 is the script's step 5, with that step's own loss and weight (not the skipped steps' summed).
-    done = probe(tmp_path / "run", "--init-scale", "1048576")
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_the_scaler_skips_are_not_probe_steps(fused, unscaled_run, tmp_path):
+    # From 2**20 the first 5 steps overflow on every rank. The scaler then does not call optimizer.step(), or, for a
+    # fused AdamW (which takes the scaling itself), calls it with found_inf set and the optimizer skips inside: before,
+    # that counted as a probe step, its inf gradients failed `nonfinite` and the probe exited 1. The probe's step 0
+    # is the script's step 5, with that step's own loss and weight (not the skipped steps' summed).
+    done = probe(tmp_path / "run", "--init-scale", "1048576", *(["--fused"] if fused else []))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["steps_completed"] == STEPS and all(a["passed"] for a in result["audits"].values()), result["audits"]

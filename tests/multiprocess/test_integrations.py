@@ -58,14 +58,22 @@ def trainer_worker(output_dir: str, options: dict) -> dict:
     tokenizer, rows = _dataset()
     options = dict(options)
     backend = options.pop("torch_compile_backend", None)
+    init_scale = options.pop("fp16_init_scale", None)
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=MAX_STEPS,
         per_device_train_batch_size=BATCH, gradient_accumulation_steps=GRAD_ACCUM, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        torch_compile=backend is not None, torch_compile_backend=backend,
+        torch_compile=backend is not None, torch_compile_backend=backend, fp16=init_scale is not None,
     )
     model = AutoModelForCausalLM.from_config(PRESETS["tiny-gpt2"][1](len(tokenizer), SEQ_LEN))
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=_collate)
+    if init_scale is not None:
+        # fp16 as accelerate runs it on a GPU (autocast fp16, a GradScaler in backward, unscale_ before clipping, the
+        # step skipped on an overflow): on the host accelerate makes no scaler, so the test hands it a CPU one.
+        import torch
+
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        trainer.accelerator.native_amp = True
     callback = HealthcheckCallback.attach(trainer, **{"sketch_dim": 256, **options})
     trainer.train()
     return {
@@ -138,6 +146,23 @@ def test_callback_measures_a_trainer_that_compiles_its_model(tmp_path):
         # Two draws of the sketch (each tensor its own bucket on the .grad path), |Δcos| std <= sqrt(2/4093) each: 5 sigma
         # of the difference. A sketch of the averaged gradient would read 1.
         assert abs(grads["healthcheck/cosine_mean"] - hook["healthcheck/cosine_mean"]) < 0.15
+
+
+@pytest.mark.multiprocess
+def test_callback_under_fp16_reads_the_unscaled_gradient_and_drops_skipped_steps(tmp_path):
+    # From 2**19 fp16 overflows: the GradScaler skips the first 2 steps (the Trainer still counts them, its grad_norm
+    # inf or nan) and halves the scale until a step is finite. The reduced gradients carry the scale: the callback
+    # divides it out, so its ||mean g|| is the Trainer's own pre-clipping norm (which accelerate unscales first).
+    out = launcher.launch_local(trainer_worker, 2, (str(tmp_path), {"fp16_init_scale": 2.0**19}), run_id="hc-callback-fp16")
+    rows = _healthcheck_rows(out[0]["log_history"])
+    trainer_rows = [row for row in out[0]["log_history"] if "grad_norm" in row]
+    finite = [row for row in trainer_rows if math.isfinite(row["grad_norm"])]
+    assert out[0]["global_step"] == MAX_STEPS and len(finite) == MAX_STEPS - 2, trainer_rows
+    assert [row["step"] for row in rows] == [row["step"] for row in finite]
+    for ours, theirs in zip(rows, finite, strict=True):
+        assert ours["healthcheck/mean_grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
+        assert ours["healthcheck/tokens_total"] == 2 * LOSS_TOKENS_PER_STEP
+    assert _healthcheck_rows(out[1]["log_history"]) == rows
 
 
 @pytest.mark.multiprocess

@@ -21,8 +21,8 @@ original on exit, in reverse order, whatever happened in between.
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
 * ``torch.nn.utils``' gradient clipping functions: how the script clips its model (:mod:`.clipping`).
 * ``random.seed`` and ``numpy.random.seed``: the seeds the script gives those generators (:mod:`.seeds`).
-* ``torch.amp.GradScaler.unscale_`` and ``step``: which scaler unscaled which optimizer, for the step's loss scale,
-  and the steps it skipped (:mod:`.step_facts`).
+* ``torch.amp.GradScaler.step``: which scaler steps which optimizer, for the step's loss scale, and the steps it
+  skipped (:mod:`.step_facts`).
 """
 
 from __future__ import annotations

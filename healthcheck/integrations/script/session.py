@@ -59,7 +59,7 @@ class ScriptSession:
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
         self.clips = ClipRecorder(lambda: self._param_ids)
-        self.scales = ScaleRecorder()  #: which GradScaler unscaled which optimizer this step (fp16 mixed precision)
+        self.scales = ScaleRecorder()  #: which GradScaler steps which optimizer, and its skips (fp16 mixed precision)
         self.loaders = observe.LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
@@ -228,7 +228,7 @@ class ScriptSession:
                 "the script stepped an optimizer before training a DistributedDataParallel or FSDP2 (fully_shard) "
                 "model; healthcheck attaches to those, and a single-process script has no workers to compare"
             )
-        if not self._owns(optimizer):
+        if not self._owns(optimizer) or self.scales.overflowed(optimizer):  # a GradScaler's skip, inside the optimizer
             return
         if self.monitor is None:
             raise InvalidInput(
@@ -284,7 +284,7 @@ class ScriptSession:
             self._last_post = time.perf_counter()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.model is None or not self._owns(optimizer):
+        if self.model is None or not self._owns(optimizer) or self.scales.overflowed(optimizer):
             return
         self._depth -= 1
         if self._depth > 0:

@@ -1,7 +1,7 @@
 """What a rank reports with each optimizer step besides the monitor's numbers (gathered as per-rank extras).
 
 * ``lr``: the learning rate of the optimizer's first parameter group as the rank stepped.
-* ``grad_scale``: the scale of the ``torch.amp.GradScaler`` that unscaled this optimizer in this step (fp16 mixed
+* ``grad_scale``: the scale of the ``torch.amp.GradScaler`` that stepped this optimizer in this step (fp16 mixed
   precision: PyTorch's AMP recipe, accelerate's and the Trainer's ``fp16``). The monitor measures the gradients DDP
   reduces, and the scaler multiplied those by its scale (2**16 to start): the step's norms are divided by it where
   every rank's is the same (:func:`healthcheck.measure.loss_scale.unscaled`). None without a scaler.
@@ -19,17 +19,20 @@ from typing import Any, Optional
 
 
 class ScaleRecorder:
-    """Which GradScaler unscaled which optimizer in the current step (``GradScaler.unscale_`` is patched to tell),
-    and the steps it skipped (``GradScaler.step`` returned without the optimizer's step taking the scale).
+    """Which GradScaler is stepping which optimizer (``GradScaler.step`` is patched to tell, before it runs), and the
+    steps it skipped. A scaler skips a step with an inf or NaN gradient in one of two ways: it does not call
+    ``optimizer.step()`` at all (:meth:`skipped`, after it returns), or, for an optimizer that takes the scaling itself
+    (``_step_supports_amp_scaling``: fused AdamW, the default of transformers' Trainer on a GPU), it calls it with
+    ``optimizer.found_inf`` set and the optimizer skips inside (:meth:`overflowed`, at that call).
 
     >>> class Scaler:
     ...     def get_scale(self): return 65536.0
     >>> scales, optimizer = ScaleRecorder(), object()
     >>> scales.observe(Scaler(), optimizer); scales.skipped(optimizer)  # an inf gradient: no optimizer step
     True
-    >>> scales.observe(Scaler(), optimizer); scales.take(optimizer), scales.skipped(optimizer)
-    ((65536.0, 1), False)
-    >>> scales.take(optimizer)  # once per step: the next step's unscale_ tells again
+    >>> scales.observe(Scaler(), optimizer); scales.overflowed(optimizer), scales.take(optimizer), scales.skipped(optimizer)
+    (False, (65536.0, 1), False)
+    >>> scales.take(optimizer)  # once per step: the next step's GradScaler.step tells again
     (None, None)
     """
 
@@ -39,6 +42,13 @@ class ScaleRecorder:
 
     def observe(self, scaler: Any, optimizer: Any) -> None:
         self._scalers[id(optimizer)] = scaler
+
+    def overflowed(self, optimizer: Any) -> bool:
+        """Whether this call of ``optimizer.step()`` is one its scaler found an inf for (the optimizer skips inside)."""
+        if id(optimizer) not in self._scalers or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        found = getattr(optimizer, "found_inf", None)
+        return found is not None and float(found) > 0
 
     def take(self, optimizer: Any) -> tuple[Optional[float], Optional[int]]:
         """The scale this step's backward was multiplied by (read before ``GradScaler.update()``, which comes after
@@ -71,31 +81,17 @@ def step_facts(optimizer: Any, model: Any, scales: ScaleRecorder) -> dict[str, O
 
 
 def patch(patches: Any, observe: Any, stepped: Any) -> None:
-    """Have ``torch.amp.GradScaler.unscale_`` (which ``step()`` calls where the script did not) call ``observe(scaler,
-    optimizer)``, and ``GradScaler.step`` call ``stepped(optimizer)`` when it returns. ``torch.cuda.amp.GradScaler``
-    is a subclass and inherits both; FSDP's ``ShardedGradScaler`` has its own ``unscale_``, wrapped too."""
+    """Have ``torch.amp.GradScaler.step`` call ``observe(scaler, optimizer)`` before it runs and ``stepped(optimizer)``
+    when it returns. ``torch.cuda.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` inherit it."""
     from torch.amp import grad_scaler
-
-    def unscale(original: Any) -> Any:
-        def unscale_(self: Any, optimizer: Any) -> Any:
-            out = original(self, optimizer)
-            observe(self, optimizer)
-            return out
-
-        return unscale_
 
     def step(original: Any) -> Any:
         def step_(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            observe(self, optimizer)
             out = original(self, optimizer, *args, **kwargs)
             stepped(optimizer)
             return out
 
         return step_
 
-    patches.wrap(grad_scaler.GradScaler, "unscale_", unscale)
     patches.wrap(grad_scaler.GradScaler, "step", step)
-    try:  # FSDP's ShardedGradScaler has its own unscale_ (and inherits step)
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    except ImportError:
-        return
-    patches.wrap(ShardedGradScaler, "unscale_", unscale)
