@@ -205,6 +205,11 @@ class RunResult(Record):
         description="Why the per-rank loss was not measured (a script whose loss healthcheck cannot see); "
         "None when it was. The gradient metrics and the audits do not depend on it.",
     )
+    gradient_note: Optional[str] = Field(
+        None,
+        description="What the gradient metrics describe where it is not each rank's own step gradient (a script "
+        "that all-reduces every micro-batch); None where it is.",
+    )
     stopped_early: Optional[EarlyStop] = Field(
         None, description="Set when the probe stopped at a decisive failure before train.steps (fail fast)."
     )

@@ -227,6 +227,8 @@ def judge(
     notes += _stopped_early_notes(result, findings, envelopes=len(baseline.envelopes))
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
+    if result.gradient_note:
+        notes.append(f"gradients: {result.gradient_note}")
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
     return Verdict.collect(
         findings,
@@ -269,6 +271,8 @@ def judge_audits_only(result: RunResult) -> Verdict:
     notes += _stopped_early_notes(result, findings)
     if result.loss_note:
         notes.append(f"loss not measured: {result.loss_note}")
+    if result.gradient_note:
+        notes.append(f"gradients: {result.gradient_note}")
     return Verdict.collect(
         findings, notes=notes, audits_only=True, stopped_early=result.stopped_early.headline() if result.stopped_early else None
     )

@@ -327,6 +327,7 @@ def build_result(
         nonfinite=summary["nonfinite"],
         audits=run_audits(config, report, run_dir, summary["nonfinite"]) if report else {},
         loss_note=_loss_note(report),
+        gradient_note=_gradient_note(report),
         stopped_early=report.stopped_early if report else None,
     )
 
@@ -352,3 +353,18 @@ def _loss_note(report: Optional[WorkerReport]) -> Optional[str]:
         if evidence.loss_problem:
             return f"rank {rank}, {evidence.loss_problem}"
     return None
+
+
+def _gradient_note(report: Optional[WorkerReport]) -> Optional[str]:
+    """Where a DDP script all-reduced more than once before its first update (accumulation without ``no_sync``,
+    ``integrations/script/forwards.py``): what the gradient metrics then describe."""
+    counts = {e.extra.get("ddp.reductions_in_step_0", "1") for e in (report.evidence.per_rank if report else ())}
+    most = max((int(c) for c in counts if c.isdigit()), default=1)
+    if most <= 1:
+        return None
+    return (
+        f"the script all-reduces each of its micro-batches ({most} DDP reductions before its first update, no "
+        "no_sync): DDP averages each into .grad before the next adds to it, so the gradient read at the last reduction "
+        "is the last micro-batch's own plus the average of the earlier ones, and norms and cosines lean towards the "
+        "mean; wrap all but the last backward in model.no_sync(), as accelerate and the Trainer do"
+    )

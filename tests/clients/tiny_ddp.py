@@ -11,6 +11,7 @@ half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming 
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
+accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
 """
@@ -75,6 +76,10 @@ def main():
 
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         forward = model.module if mode == "module-forward" else model
+        if mode == "accum-sync":  # accum-sync=K: K micro-batches a step, each backward all-reduced (no no_sync)
+            for _ in range(int(value) - 1):
+                torch.nn.functional.mse_loss(forward(x), y).backward()
+                x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
         loss = torch.nn.functional.mse_loss(forward(x), y)
         if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
             loss = loss * float(value)

@@ -71,6 +71,7 @@ def test_the_script_runs_unmodified_and_passes_its_audits(client_run):
     assert result["status"] == "complete" and result["steps_completed"] == STEPS
     assert result["config"]["script"]["path"].endswith(f"{name}.py")
     assert result["loss_note"] is None, result["loss_note"]
+    assert result["gradient_note"] is None, result["gradient_note"]  # accumulation under no_sync: one reduction a step
     assert result["environment"]["world_size"] == 4
     # Exact mode on the host: the comm hook reads DDP's buckets (test_script_grads.py takes the .grad path).
     assert {rank["gradient_source"] for rank in result["environment"]["ranks"]} == {"comm_hook"}

@@ -28,9 +28,11 @@ class TrainingForwards:
         read_facts: What to record about a rank before a forward (the module is its argument).
     """
 
-    def __init__(self, read_facts: Callable[[Any], dict[str, Any]]):
+    def __init__(self, read_facts: Callable[[Any], dict[str, Any]], synced: Callable[[], bool] = lambda: False):
         self._read_facts = read_facts
+        self._synced = synced
         self.count = 0  #: forwards whose output received a gradient before the first update
+        self.reductions = 0  #: of those, the ones whose backward DDP all-reduced (not under no_sync)
         self.facts: Optional[dict[str, Any]] = None  #: read before the first of them
         self._pending: Optional[dict[str, Any]] = None
         self._stopped = False
@@ -54,16 +56,24 @@ class TrainingForwards:
         tensors = differentiable_tensors(output, _OUTPUT_DEPTH)
         if not tensors:
             return
-        facts = self._pending
+        facts, synced = self._pending, self._synced()
         # "any": once per backward through this output, whichever of its tensors the loss came from.
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._backwarded(facts), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._backwarded(facts, synced), mode="any")
 
-    def _backwarded(self, facts: Optional[dict[str, Any]]) -> None:
+    def _backwarded(self, facts: Optional[dict[str, Any]], synced: bool = False) -> None:
         if self._stopped:
             return
         self.count += 1
+        self.reductions += synced
         if self.facts is None:
             self.facts = facts
+
+    def reduction_facts(self, model: Any) -> dict[str, str]:
+        """``ddp.reductions_in_step_0`` for a DDP ``model``: how many of the first update's backwards DDP all-reduced.
+        More than one is gradient accumulation without ``no_sync``: each micro-batch is averaged into ``.grad`` before
+        the next adds to it, so the last reduction, the one the monitor reads, carries the earlier micro-batches'
+        average, not this rank's own gradients (``run/probe.py`` says so in the report)."""
+        return {"ddp.reductions_in_step_0": str(self.reductions)} if hasattr(model, "require_backward_grad_sync") else {}
 
     def stop(self) -> dict[str, Any]:
         """The first update: stop counting. Returns the facts (those of the last forward read when no output was

@@ -70,7 +70,7 @@ class ScriptSession:
         self.steps_done, self.complete = 0, False
         self.report: Optional[WorkerReport] = None
         self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
-        self.forwards = TrainingForwards(self._first_forward_facts)
+        self.forwards = TrainingForwards(self._first_forward_facts, lambda: getattr(self.model, "require_backward_grad_sync", False))
         self._param_ids: set[int] = set()
         self._registering, self._depth = False, 0
         self._loss_problem: Optional[str] = None
@@ -320,6 +320,7 @@ class ScriptSession:
         facts = self.forwards.stop()
         loader = self.loaders.training_loader()
         start = observe.start_facts(facts, optimizer, self.model, loader, self.forwards.count)
+        start.update(self.forwards.reduction_facts(self.model))
         self.audit.extra.update({**start, **self.capture.loss_settings(), **self.clips.facts()})
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
