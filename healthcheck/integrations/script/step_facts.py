@@ -22,7 +22,7 @@ class ScaleRecorder:
     """Which GradScaler is stepping which optimizer (``GradScaler.step`` is patched to tell, before it runs), and the
     steps it skipped. A scaler skips a step with an inf or NaN gradient in one of two ways: it does not call
     ``optimizer.step()`` at all (:meth:`skipped`, after it returns), or, for an optimizer that takes the scaling itself
-    (``_step_supports_amp_scaling``: fused AdamW, the default of transformers' Trainer on a GPU), it calls it with
+    (``_step_supports_amp_scaling``: fused AdamW, transformers' Trainer's default with torch >= 2.8), it calls it with
     ``optimizer.found_inf`` set and the optimizer skips inside (:meth:`overflowed`, at that call).
 
     >>> class Scaler:
