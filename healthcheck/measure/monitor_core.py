@@ -163,6 +163,12 @@ class ConsistencyMonitor:
             previous, self._inflight = self._inflight, inflight
             return self._finish(previous) if previous is not None else None
 
+    def discard_step(self) -> None:
+        """Forget what this step's reductions recorded, as if none had run: the script skipped its update (a GradScaler
+        found an inf), so the next backward starts the step afresh. Without it, FSDP2's monitor would add the skipped
+        reduce-scatters to the next step's as micro-batches. Local to this rank; every rank skips alike."""
+        self._clear_partials()
+
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.
 

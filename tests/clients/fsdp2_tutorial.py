@@ -10,7 +10,8 @@ gradient is reduce-scattered only on the last micro-batch (``set_requires_gradie
 same loop with DistributedDataParallel instead, for comparisons.
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
-``--clip N``: clip the gradient norm to N before each update (the default 0 does not clip).
+``--clip N``: clip the gradient norm to N before each update (the default 0 does not clip). ``--amp-scale S``: fp16
+autocast and a ``torch.amp.GradScaler`` starting at S (PyTorch's AMP recipe; unscaled before clipping).
 
 ``--bug`` (comma-separated): ``loss-x2-rank=R``: rank R multiplies its loss by 2. ``stale-weights-rank=R``: rank R's
 copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
@@ -96,6 +97,7 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--amp-scale", type=float, default=0.0)
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
                     "slow-rank=R, accum-rank=R, no-zero-grad-rank=R")
     args = ap.parse_args()
@@ -121,6 +123,9 @@ def main():
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loss_scale = 2.0 if bugs.get("loss-x2-rank") == rank else 1.0
+    # --amp-scale S: PyTorch's AMP recipe, fp16 autocast and a GradScaler starting at S (0: neither).
+    scaler = torch.amp.GradScaler("cpu", init_scale=args.amp_scale) if args.amp_scale else None
+    autocast = torch.autocast("cpu", dtype=torch.float16) if args.amp_scale else contextlib.nullcontext()
     clip = args.clip / 10 if bugs.get("clip-rank") == rank else args.clip
     if rank == 0 and os.path.exists(args.log):
         os.remove(args.log)
@@ -139,18 +144,25 @@ def main():
                     model.set_requires_gradient_sync(last)
                 # DDP skips its all-reduce only when the forward, too, runs inside no_sync().
                 with model.no_sync() if args.wrap == "ddp" and not last else contextlib.nullcontext():
-                    logits = model(input_ids=ids).logits
+                    with autocast:
+                        logits = model(input_ids=ids).logits
                     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
                     shift_labels = lab[:, 1:].reshape(-1)
                     loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
                     ntok = (shift_labels != -100).sum()
                     loss = loss_scale * loss_sum / ntok.clamp(min=1) / len(micro)
-                    loss.backward()
+                    (scaler.scale(loss) if scaler else loss).backward()
                 stats += torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
             micro = []
             if clip > 0:
+                if scaler:
+                    scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             if bugs.get("no-zero-grad-rank") != rank:
                 optimizer.zero_grad()
             if bugs.get("slow-rank") == rank:

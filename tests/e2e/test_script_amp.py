@@ -12,7 +12,11 @@ import re
 import pytest
 
 from tests.e2e.conftest import read_rows, run_cli
-from tests.e2e.test_script_mode import CLIENTS
+from tests.e2e.test_script_mode import (
+    CLIENTS,
+    DATA,
+    tiny_llama,  # noqa: F401 - a fixture
+)
 
 AMP = CLIENTS / "amp_ddp.py"
 STEPS = 8
@@ -82,3 +86,22 @@ def test_a_rank_with_another_scale_is_named(tmp_path):
     assert [first[(0, r)]["grad_scale"] for r in range(3)] == [256.0, 512.0, 256.0]
     # The scales differ, so the norms stay as the reduction saw them: rank 1's is about twice the others'.
     assert first[(0, 1)]["grad_norm"] > 1.5 * max(first[(0, 0)]["grad_norm"], first[(0, 2)]["grad_norm"])
+
+
+def test_fsdp2_under_a_grad_scaler_reads_what_ddp_reads(tiny_llama, tmp_path):  # noqa: F811
+    # FSDP2 takes every reduce-scatter of a step as a micro-batch and adds them: the skipped steps' inf gradients went
+    # into the next step (exit 1, "non-finite gradient at step 0"). The session now discards a skipped step's numbers.
+    # The same loop wrapped in DDP measures the same local gradients: the two agree step by step, rank by rank.
+    rows = {}
+    for wrap in ("fsdp", "ddp"):
+        out = tmp_path / wrap
+        done = run_cli("probe", "--script", str(CLIENTS / "fsdp2_tutorial.py"), "--out", str(out), "--audits-only",
+                       "--set", "distributed.nproc=2", "--set", "train.steps=4", "--set", "metrics.warmup_steps=1", "--",
+                       "--model", str(tiny_llama), "--data", str(DATA), "--steps", "40", "--log", str(tmp_path / f"{wrap}.jsonl"),
+                       "--rows", "64", "--amp-scale", "1048576", "--wrap", wrap)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows[wrap] = rows_by_key(out)
+    assert rows["fsdp"][(0, 0)]["scaler_skips"] == 5.0 and rows["fsdp"][(0, 0)]["grad_scale"] == 32768.0
+    assert rows["fsdp"].keys() == rows["ddp"].keys() and len(rows["fsdp"]) == 8
+    for key, row in rows["fsdp"].items():
+        assert row["grad_norm"] == pytest.approx(rows["ddp"][key]["grad_norm"], rel=1e-3), key

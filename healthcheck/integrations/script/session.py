@@ -276,8 +276,10 @@ class ScriptSession:
 
     def on_scaler_step(self, optimizer: Any) -> None:
         """A ``GradScaler.step`` returned: where it skipped this optimizer's step (an inf or NaN gradient), that
-        backward was no probe step, so the loss it captured and its timing start are dropped (:mod:`.step_facts`)."""
+        backward was no probe step, so what the monitor recorded of it, the loss it captured and its timing start are
+        dropped (:mod:`.step_facts`)."""
         if self.scales.skipped(optimizer) and self.monitor is not None and self._owns(optimizer):
+            self.monitor.discard_step()
             self.capture.take()
             if self._keeper is not None:
                 self._keeper.reset()
