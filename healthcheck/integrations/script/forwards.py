@@ -68,6 +68,11 @@ class TrainingForwards:
         if self.facts is None:
             self.facts = facts
 
+    def restart(self) -> None:
+        """The script skipped an update (a GradScaler's inf): what ran before it belongs to no update, so the counts
+        start again; the first training forward's facts stay (it still came first)."""
+        self.count = self.reductions = 0
+
     def reduction_facts(self, model: Any) -> dict[str, str]:
         """``ddp.reductions_in_step_0`` for a DDP ``model``: how many of the first update's backwards DDP all-reduced.
         More than one is gradient accumulation without ``no_sync``: each micro-batch is averaged into ``.grad`` before

@@ -280,6 +280,7 @@ class ScriptSession:
         dropped (:mod:`.step_facts`)."""
         if self.scales.skipped(optimizer) and self.monitor is not None and self._owns(optimizer):
             self.monitor.discard_step()
+            self.forwards.restart()
             self.capture.take()
             if self._keeper is not None:
                 self._keeper.reset()
