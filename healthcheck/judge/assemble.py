@@ -93,12 +93,9 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     # A script's own comm hook, where every rank has the same one (else the environment audit names the rank).
-    hooks = {str(e.extra.get("ddp.comm_hook", "")) for e in per_rank} or {""}
-    dtypes = {str(e.extra.get("model_dtype", "float32")) for e in per_rank} or {"float32"}
-    states = {str(e.extra.get("ddp.comm_hook_state", "")) for e in per_rank} or {""}
-    hook = hooks.pop() if len(hooks) == 1 else ""
     outcomes["reduction_numerics"] = reduction_audit(
-        checked, world, hook, dtypes.pop() if len(dtypes) == 1 else "float32", states.pop() if len(states) == 1 else ""
+        checked, world, _common_fact(per_rank, "ddp.comm_hook", ""), _common_fact(per_rank, "model_dtype", "float32"),
+        _common_fact(per_rank, "ddp.comm_hook_state", ""),
     )
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
@@ -333,3 +330,9 @@ def _shards_read(consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]]
     epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
     plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs, drop_last=first.drop_last)
     return data_shard_audit(consumed, plan)
+
+
+def _common_fact(per_rank: Sequence[RankEvidence], key: str, default: str) -> str:
+    """The environment fact ``key`` where every rank has the same value (missing counts as ``default``), else ``default``."""
+    values = {str(e.extra.get(key, default)) for e in per_rank}
+    return values.pop() if len(values) == 1 else default
