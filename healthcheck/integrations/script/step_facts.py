@@ -6,8 +6,8 @@
   reduces, and the scaler multiplied those by its scale (2**16 to start): the step's norms are divided by it where
   every rank's is the same (:func:`healthcheck.measure.loss_scale.unscaled`). None without a scaler.
 * ``scaler_skips``: the steps that scaler skipped since the rank's last probe step. A skipped step (an inf or NaN
-  gradient) never calls ``optimizer.step()``, so it is not a probe step: the session drops the loss it captured, and
-  the next backward's buckets replace the monitor's numbers.
+  gradient) is no probe step (:class:`ScaleRecorder` says how it is told): the session discards what the monitor
+  recorded of it, the loss it captured and the forwards it counted.
 * ``comm_hook_exact``: whether the script's comm hook still all-reduced exactly (:mod:`healthcheck.measure.script_hook`).
 
 Every key is present on every rank, None where it does not apply: the gathered vector has one column per key.
