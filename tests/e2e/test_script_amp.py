@@ -76,17 +76,19 @@ def test_steps_the_scaler_skips_are_not_probe_steps(fused, unscaled_run, tmp_pat
         assert 0.5 < row["grad_norm"] / plain[key]["grad_norm"] < 2, (key, row["grad_norm"], plain[key]["grad_norm"])
 
 
-def test_a_rank_with_another_scale_is_named(tmp_path):
-    # Rank 1's scaler starts at 512, the others' at 256: its gradient enters the all-reduce with twice the weight, and
-    # each rank divides the mean by its own scale, so the parameters part at the first update.
-    done = probe(tmp_path / "run", "--init-scale", "256", "--rank-scale", "1=512", nproc=3)
+@pytest.mark.parametrize("odd", [0, 2])
+def test_a_rank_with_another_scale_is_named(odd, tmp_path):
+    # One rank's scaler starts at 512, the others' at 256: its gradient enters the all-reduce with twice the weight,
+    # and each rank divides the mean by its own scale, so the parameters part at the first update.
+    done = probe(tmp_path / "run", "--init-scale", "256", "--rank-scale", f"{odd}=512", nproc=3)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["audits"]["param_equality"]["ranks"] == [1], result["audits"]["param_equality"]
+    assert result["audits"]["param_equality"]["ranks"] == [odd], result["audits"]["param_equality"]
     first = rows_by_key(tmp_path / "run")
-    assert [first[(0, r)]["grad_scale"] for r in range(3)] == [256.0, 512.0, 256.0]
-    # The scales differ, so the norms stay as the reduction saw them: rank 1's is about twice the others'.
-    assert first[(0, 1)]["grad_norm"] > 1.5 * max(first[(0, 0)]["grad_norm"], first[(0, 2)]["grad_norm"])
+    assert [first[(0, r)]["grad_scale"] for r in range(3)] == [512.0 if r == odd else 256.0 for r in range(3)]
+    # The scales differ, so the norms stay as the reduction saw them: the odd rank's is about twice the others'.
+    others = [first[(0, r)]["grad_norm"] for r in range(3) if r != odd]
+    assert first[(0, odd)]["grad_norm"] > 1.5 * max(others), (first[(0, odd)]["grad_norm"], others)
 
 
 def test_fsdp2_under_a_grad_scaler_reads_what_ddp_reads(tiny_llama, tmp_path):  # noqa: F811
