@@ -19,6 +19,10 @@ exactly, as strings, like the optimizer's hyperparameters:
   (``rms_norm_eps`` 1e-5 against 1e-6, another ``rope_theta``) builds the same parameters and computes another
   function: in a 4-rank script-mode probe of a small Llama, only the replay audit noticed a rank with
   ``rms_norm_eps`` 1e-5, and it blamed the device;
+* ``model.adapter.<name>.<key>``: each setting of a PEFT adapter (``peft_config``: LoRA's ``r``, ``lora_alpha``,
+  ``target_modules``, ...), but the base model's path. A rank whose adapters scale by another ``lora_alpha`` holds
+  the same parameters and computes another function: in a 4-rank LoRA fine-tune with ``transformers.Trainer``,
+  only the replay audit noticed a rank with twice the others' ``lora_alpha``, and it advised draining the node;
 * ``model.modules.<type>``: for each module type with settings in its ``extra_repr`` (``LayerNorm``'s eps,
   ``GELU``'s approximation, a norm's shape), the distinct settings and how many modules have each. This is
   the same check for a model without a transformers config: another revision of the model code on one node.
@@ -37,6 +41,8 @@ from typing import Any, Iterator
 IGNORED_CONFIG_KEYS = frozenset(
     {"transformers_version", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript"}
 )
+#: An adapter's settings that cannot change what a step computes: where each node keeps the base checkpoint.
+IGNORED_ADAPTER_KEYS = frozenset({"base_model_name_or_path"})
 #: A longer value is shown by its start and a digest, so a rank's record stays small.
 MAX_VALUE_CHARS = 120
 #: A device index in a module's settings (``cuda:3``) is per rank by design, not a difference.
@@ -77,6 +83,7 @@ def module_facts(model: Any) -> dict[str, str]:
         facts["model.attn_implementation"] = kernel
     if config is not None:
         facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(_settings_of(config))})
+    facts.update(adapter_settings(named))
     facts.update(module_settings(named))
     return facts
 
@@ -100,6 +107,38 @@ def module_settings(named: list[tuple[str, Any]]) -> dict[str, str]:
         f"model.modules.{kind}": _shown(" | ".join(f"{count}x {text}" for text, count in sorted(seen.items())))
         for kind, seen in sorted(settings.items())
     }
+
+
+def adapter_settings(named: list[tuple[str, Any]]) -> dict[str, str]:
+    """``model.adapter.<name>.<key>``: the settings of each PEFT adapter of the outermost module that has them.
+
+    >>> import dataclasses, torch
+    >>> @dataclasses.dataclass
+    ... class LoraConfig:  # the shape of peft's configs: a dataclass with to_dict()
+    ...     r: int = 4
+    ...     lora_alpha: int = 8
+    ...     target_modules: frozenset = frozenset({"v_proj", "q_proj"})
+    ...     base_model_name_or_path: str = "/nodes/7/llama"
+    ...     def to_dict(self):
+    ...         return dataclasses.asdict(self)
+    >>> net = torch.nn.Linear(2, 2)
+    >>> net.peft_config = {"default": LoraConfig()}
+    >>> for key, value in adapter_settings(list(net.named_modules())).items():
+    ...     print(key, "=", value)
+    model.adapter.default.lora_alpha = 8
+    model.adapter.default.r = 4
+    model.adapter.default.target_modules = ['q_proj', 'v_proj']
+    """
+    for _, module in named:
+        adapters = getattr(module, "peft_config", None)
+        if isinstance(adapters, dict) and adapters:
+            return {
+                f"model.adapter.{name}.{key}": _shown(value)
+                for name, adapter in sorted(adapters.items(), key=lambda item: str(item[0]))
+                for key, value in _flat(_settings_of(adapter))
+                if key not in IGNORED_ADAPTER_KEYS
+            }
+    return {}
 
 
 # A fact that cannot be read is left out rather than ending the probe: these settings are one check among many.
@@ -132,8 +171,8 @@ def _transformers_config(named: list[tuple[str, Any]]) -> Any:
 def _flat(settings: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """A config dict's comparable leaves, nested keys joined by dots, in key order.
 
-    >>> list(_flat({"b": 1, "_name_or_path": "/x", "use_cache": True, "a": {"c": [1, 2]}}))
-    [('a.c', [1, 2]), ('b', 1)]
+    >>> list(_flat({"b": 1, "_name_or_path": "/x", "use_cache": True, "a": {"c": [1, 2]}, "d": {"y", "x"}}))
+    [('a.c', [1, 2]), ('b', 1), ('d', ['x', 'y'])]
     """
     for key in sorted(settings, key=str):
         if str(key).startswith("_") or key in IGNORED_CONFIG_KEYS:
@@ -141,6 +180,10 @@ def _flat(settings: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any
         value = settings[key]
         if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
             yield from _flat(value, f"{prefix}{key}.")
+        elif isinstance(value, (set, frozenset)):
+            # A set prints in hash order, which differs between processes for strings (PEP 456): sorted, equal
+            # settings read the same on every rank.
+            yield f"{prefix}{key}", sorted(value, key=str)
         else:
             yield f"{prefix}{key}", value
 

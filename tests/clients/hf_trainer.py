@@ -7,6 +7,8 @@ torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 -
 `--label-smoothing 0.1` sets `label_smoothing_factor` (the Trainer then computes the loss with its `LabelSmoother`).
 `--accum-rank R`: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node
 `gradient_accumulation_steps` override; DDP's all-reduces still pair up, one per update).
+`--lora R`: trains LoRA adapters of rank R on the attention projections (peft's `get_peft_model`), the base frozen;
+the Trainer then wraps a `PeftModel`, which is no `PreTrainedModel`, so DDP gets `find_unused_parameters=True`.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
 forward hook the Trainer registers), as a per-node launch config that switches it on would.
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
@@ -64,12 +66,20 @@ def main():
     ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
     ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
     ap.add_argument("--neftune-rank", type=int, default=-1, help="this rank trains with neftune_noise_alpha=5")
+    ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (peft), the base frozen")
+    ap.add_argument("--lora-alpha-rank", type=int, default=-1, help="with --lora: this rank scales its adapters twice as much")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     if args.no_loss_kwargs:
         model.accepts_loss_kwargs = False
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        alpha = (4 if int(os.environ.get("RANK", 0)) == args.lora_alpha_rank else 2) * args.lora
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=alpha, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"))
     with open(args.data) as f:
         rows = json.load(f)[: args.rows]
 
