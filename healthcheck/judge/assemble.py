@@ -43,6 +43,7 @@ from healthcheck.judge.shard_audit import batch_audit, data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.judge.spikes import SPIKE_METRICS, spike_audit
 from healthcheck.judge.stale_gradients import stale_gradients_audit
+from healthcheck.judge.zero_gradients import zero_gradients_audit
 from healthcheck.measure.evidence import planned_shards
 
 
@@ -71,6 +72,10 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["param_equality"] = explained_by_learning_rate(outcomes["param_equality"], rows, world)
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
+    norms: dict[int, list[Any]] = {}
+    for row in rows:
+        norms.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("grad_norm")
+    outcomes["zero_gradients"] = zero_gradients_audit(norms)
     metrics = config.metrics
     outcomes["stragglers"] = straggler_outcome(rows, world, metrics.straggler_factor, metrics.straggler_max_p)
     per_step: dict[int, dict[str, list[Any]]] = {}

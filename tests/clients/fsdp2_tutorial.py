@@ -10,6 +10,10 @@ gradient is reduce-scattered only on the last micro-batch (``set_requires_gradie
 same loop with DistributedDataParallel instead, for comparisons.
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
+``--reduce-dtype fp16|bf16``: ``MixedPrecisionPolicy(reduce_dtype=...)``, parameters in fp32: FSDP2 casts each
+local gradient to that dtype and reduce-scatters it (fp16 pre-divided by a power of two, bf16 averaged).
+``--loss-times S``: every rank's loss times S, so S=1e-5 puts the gradients under fp16's normal range, as most of a
+large model's are.
 ``--clip N``: clip the gradient norm to N before each update (the default 0 does not clip). ``--amp-scale S``: fp16
 autocast and a ``torch.amp.GradScaler`` starting at S (PyTorch's AMP recipe; unscaled before clipping).
 
@@ -98,6 +102,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amp-scale", type=float, default=0.0)
+    ap.add_argument("--loss-times", type=float, default=1.0, help="every rank's loss (so every gradient) times this")
+    ap.add_argument("--reduce-dtype", choices=("fp16", "bf16"), default=None,
+                    help="MixedPrecisionPolicy(reduce_dtype=...): FSDP2 reduce-scatters the gradients in this dtype")
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
                     "slow-rank=R, accum-rank=R, no-zero-grad-rank=R")
     args = ap.parse_args()
@@ -115,14 +122,17 @@ def main():
         # A per-node precision config: bf16 parameters in compute everywhere but on this rank.
         mixed = bugs.get("bf16-except-rank") is not None
         fp32 = torch.float32 if bugs.get("bf16-except-rank") == rank else torch.bfloat16
-        model = shard(model, **({"mp_policy": MixedPrecisionPolicy(param_dtype=fp32)} if mixed else {}))
+        policy = {"param_dtype": fp32} if mixed else {}
+        if args.reduce_dtype:
+            policy["reduce_dtype"] = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.reduce_dtype]
+        model = shard(model, **({"mp_policy": MixedPrecisionPolicy(**policy)} if policy else {}))
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
     sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    loss_scale = 2.0 if bugs.get("loss-x2-rank") == rank else 1.0
+    loss_scale = (2.0 if bugs.get("loss-x2-rank") == rank else 1.0) * args.loss_times
     # --amp-scale S: PyTorch's AMP recipe, fp16 autocast and a GradScaler starting at S (0: neither).
     scaler = torch.amp.GradScaler("cpu", init_scale=args.amp_scale) if args.amp_scale else None
     autocast = torch.autocast("cpu", dtype=torch.float16) if args.amp_scale else contextlib.nullcontext()

@@ -11,7 +11,8 @@ half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming 
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
-accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync);
+accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); zero-loss=R (rank R's loss times 0, as a
+per-node loss weight of 0 would: its gradient is zero, its loss is not);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
 Knows nothing about healthcheck.
 """
@@ -83,6 +84,8 @@ def main():
         loss = torch.nn.functional.mse_loss(forward(x), y)
         if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
             loss = loss * float(value)
+        if mode == "zero-loss" and rank == int(value):
+            loss = loss * 0.0
         loss.backward()
         if mode != "never-step":
             optimizer.step()

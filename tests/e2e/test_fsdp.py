@@ -131,6 +131,22 @@ def test_a_rank_with_its_own_gradient_accumulation_is_named_before_the_ranks_han
     assert failed_ranks(out) == {"audit.environment": [1]} and result["audits"]["environment"]["message"] == message
 
 
+def test_gradients_that_underflow_in_an_fp16_reduce_scatter_are_named(tiny_llama, tmp_path):  # noqa: F811
+    # MixedPrecisionPolicy(reduce_dtype=float16) and the loss times 1e-7: every local gradient (~1e-10 a value) is 0
+    # once FSDP2 casts it for the reduce-scatter. The ranks agree on everything, so every comparison passed and the
+    # probe said PASS on a run that trains nothing.
+    out = tmp_path / "run"
+    args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
+                      extra=("--set", "distributed.nproc=2", "--set", "metrics.reduction_check_every=1"),
+                      script_args=("--reduce-dtype", "fp16", "--loss-times", "1e-7"))
+    done = run_cli(*args)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.zero_gradients": [0, 1]}
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert audits["zero_gradients"]["message"].startswith("every rank's local gradient was exactly zero in every one of 3")
+    assert audits["reduction_numerics"]["passed"] and audits["reduction_numerics"]["checked_steps"] == [0, 1, 2]
+
+
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
     out = tmp_path / "run"
     done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.conftest import REPO, run_cli
+from tests.e2e.conftest import REPO, failed_ranks, run_cli
 
 TINY = REPO / "tests" / "clients" / "tiny_ddp.py"
 
@@ -183,3 +183,11 @@ def test_bad_script_input_is_exit_2_before_any_worker_starts(tmp_path, args, exp
 def test_script_arguments_go_only_to_commands_that_run_a_script(tmp_path):
     done = run_cli("report", str(tmp_path), "--", "--mode", "ok")
     assert done.returncode == 2 and "arguments after -- are a script's; report takes none" in done.stderr
+
+
+def test_a_rank_whose_loss_never_reaches_its_gradient_is_named(tmp_path):
+    # Rank 2 of 3 multiplies its loss by 0 (a per-node loss weight of 0): DDP's average hides its zero gradient, and
+    # the script's MSE is no loss the probe captures, so every other audit passed.
+    done, out = probe(tmp_path, "zero-loss=2", "--set", "distributed.nproc=3")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.zero_gradients": [2]}
