@@ -98,9 +98,10 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     # A script's own comm hook, where every rank has the same one (else the environment audit names the rank).
+    sharded = config.distributed.strategy == "fsdp" or _common_fact(per_rank, "fsdp.mp_policy", "") != ""
     outcomes["reduction_numerics"] = reduction_audit(
         checked, world, _common_fact(per_rank, "ddp.comm_hook", ""), _common_fact(per_rank, "model_dtype", "float32"),
-        _common_fact(per_rank, "ddp.comm_hook_state", ""),
+        _common_fact(per_rank, "ddp.comm_hook_state", ""), "reduce-scattered" if sharded else "all-reduced",
     )
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()

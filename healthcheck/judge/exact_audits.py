@@ -308,7 +308,12 @@ def _floor(row: Mapping[str, Any]) -> float:
 
 
 def reduction_audit(
-    rows: Sequence[Mapping[str, Any]], world_size: int, comm_hook: str = "", bucket_dtype: str = "float32", hook_state: str = ""
+    rows: Sequence[Mapping[str, Any]],
+    world_size: int,
+    comm_hook: str = "",
+    bucket_dtype: str = "float32",
+    hook_state: str = "",
+    collective: str = "all-reduced",
 ) -> AuditOutcome:
     """Is the all-reduced mean gradient the float64 mean of the local gradients, up to rounding?
 
@@ -319,7 +324,8 @@ def reduction_audit(
     are left to the non-finite audit. ``comm_hook``: the script's own DDP comm hook, the same on every rank ("" or
     "none" without one); a compressing one is judged against its wire's rounding, an approximating one only on the
     steps it still reduced exactly (:mod:`healthcheck.judge.comm_hooks`); ``bucket_dtype``: the ranks' parameter dtype;
-    ``hook_state``: the type of the state the hook was registered with (``ddp.comm_hook_state``).
+    ``hook_state``: the type of the state the hook was registered with (``ddp.comm_hook_state``); ``collective``: how
+    the gradient was reduced, for the message ("reduce-scattered" under FSDP2, whose shards the pass compares).
     """
     hook = "" if comm_hook in ("", "none", "?") else comm_hook
     checked = [r for r in rows if is_finite_number(r.get("reduction_bound_ratio")) and is_finite_number(r.get("reduction_rel_error"))]
@@ -357,7 +363,7 @@ def reduction_audit(
     if worst["reduction_bound_ratio"] <= 1:
         return AuditOutcome(
             True,
-            f"the all-reduced gradient matches the float64 mean of the local gradients on "
+            f"the {collective} gradient matches the float64 mean of the local gradients on "
             f"{ranks_phrase(range(world_size))} within {rounding}: max relative error {max_error:.2g} over "
             f"{len(checked)} checked steps, at most {worst['reduction_bound_ratio']:.2g} of the "
             f"worst-case rounding bound{underflow}{phase}",
@@ -377,7 +383,7 @@ def reduction_audit(
         cause += f"; the script registers its own comm hook, {comm_hooks.short_name(hook)}" if hook else ""
     return AuditOutcome(
         False,
-        f"at step {worst['step']} the all-reduced gradient{who} is off the float64 mean of the "
+        f"at step {worst['step']} the {collective} gradient{who} is off the float64 mean of the "
         f"local gradients by {worst['reduction_rel_error']:.2g} (relative), "
         f"{worst['reduction_bound_ratio']:.3g}x the worst case of {rounding} of a correct sum over "
         f"{world_size} ranks: {cause}{phase}",

@@ -144,7 +144,9 @@ def test_gradients_that_underflow_in_an_fp16_reduce_scatter_are_named(tiny_llama
     assert failed_ranks(out) == {"audit.zero_gradients": [0, 1]}
     audits = json.loads((out / "result.json").read_text())["audits"]
     assert audits["zero_gradients"]["message"].startswith("every rank's local gradient was exactly zero in every one of 3")
-    assert audits["reduction_numerics"]["passed"] and audits["reduction_numerics"]["checked_steps"] == [0, 1, 2]
+    reduction = audits["reduction_numerics"]
+    assert reduction["passed"] and reduction["checked_steps"] == [0, 1, 2], reduction
+    assert reduction["message"].startswith("the reduce-scattered gradient matches the float64 mean"), reduction["message"]
 
 
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
