@@ -222,7 +222,7 @@ class LossCapture:
             return
 
         def trained(grad: Any) -> None:
-            if self._settings is not None:
+            if self._settings is not None and grad is not None:  # None: no gradient reached it (loss_weight.py)
                 self._settings.add(settings)
 
         result.register_hook(trained)

@@ -34,6 +34,10 @@ class WeightProbe:
     1.5
     >>> WeightProbe(loss.detach()).weight(loss.detach() * 3, 3) is None  # never in a backward
     True
+    >>> unused = WeightProbe(loss)
+    >>> unused._seen(None)  # an undefined gradient (DDP's _DDPSink on an output the root never used)
+    >>> unused.weight(loss.detach() * 3, 3) is None
+    True
     """
 
     def __init__(self, tensor: Any):
@@ -43,6 +47,12 @@ class WeightProbe:
             tensor.register_hook(self._seen)
 
     def _seen(self, grad: Any) -> None:
+        # None: the backward passed through X without a gradient for it. DDP with find_unused_parameters (what the
+        # Trainer picks for a peft model) routes a module's outputs through its _DDPSink, whose backward hands an
+        # output the root never used (TRL's model ``loss``, beside the fused log-probs it trains on) an undefined
+        # gradient. That X weighs nothing in this backward.
+        if grad is None:
+            return
         self.grad = grad.detach() if self.grad is None else self.grad + grad.detach()
 
     def weight(self, summed: Any, tokens: Any) -> Optional[Any]:

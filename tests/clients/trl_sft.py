@@ -5,6 +5,8 @@ torchrun --nproc_per_node 4 -- trl_sft.py --model DIR --data JSON --steps 6 --lo
 completion_only_loss=True: only completion tokens carry loss. Knows nothing about healthcheck. Appends each logged
 per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
 
+``--lora R``: TRL's own LoRA path, ``SFTTrainer(peft_config=LoraConfig(r=R, ...))`` on the attention projections.
+
 ``--loss-scale-rank R`` reproduces a per-node loss tweak for healthcheck's detection tests: rank R's trainer
 multiplies TRL's loss by 1.5 in its ``compute_loss`` (TRL divides by a token count over every rank, so the
 ranks' weights differ with their data even without it).
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--loss-scale-rank", type=int, default=-1)
+    ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank through SFTTrainer(peft_config=...)")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -84,7 +87,13 @@ def main():
         dataloader_num_workers=0,
     )
     scaled = int(os.environ.get("RANK", "0")) == args.loss_scale_rank
-    trainer = (ScaledLossTrainer if scaled else SFTTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    peft = {}
+    if args.lora:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    trainer = (ScaledLossTrainer if scaled else SFTTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok, **peft)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 
