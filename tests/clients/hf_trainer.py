@@ -7,6 +7,7 @@ torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 -
 `--label-smoothing 0.1` sets `label_smoothing_factor` (the Trainer then computes the loss with its `LabelSmoother`).
 `--accum-rank R`: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node
 `gradient_accumulation_steps` override; DDP's all-reduces still pair up, one per update).
+`--sampling group_by_length` (or `sequential`) sets `train_sampling_strategy` (transformers 5's `group_by_length`).
 `--lora R`: trains LoRA adapters of rank R on the attention projections (peft's `get_peft_model`), the base frozen;
 the Trainer then wraps a `PeftModel`, which is no `PreTrainedModel`, so DDP gets `find_unused_parameters=True`.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
@@ -66,6 +67,7 @@ def main():
     ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
     ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
     ap.add_argument("--neftune-rank", type=int, default=-1, help="this rank trains with neftune_noise_alpha=5")
+    ap.add_argument("--sampling", default="random", help="train_sampling_strategy: random, sequential, group_by_length")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (peft), the base frozen")
     ap.add_argument("--lora-alpha-rank", type=int, default=-1, help="with --lora: this rank scales its adapters twice as much")
     args = ap.parse_args()
@@ -120,6 +122,7 @@ def main():
         torch_compile=args.torch_compile_backend is not None,
         torch_compile_backend=args.torch_compile_backend,
         label_smoothing_factor=args.label_smoothing,
+        train_sampling_strategy=args.sampling,
         neftune_noise_alpha=5.0 if int(os.environ.get("RANK", 0)) == args.neftune_rank else None,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)
