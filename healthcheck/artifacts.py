@@ -400,3 +400,7 @@ class WorkerFailure(Record):
     reason: str = Field(description="One line: the exception's type and message.")
     time: float = Field(description="time.time() when it failed; the earliest report is the likely cause.")
     exit_code: int = Field(3, description="2 when the worker rejected its input, else 3.")
+    raised_in: Optional[str] = Field(
+        None, description="``healthcheck/<module>.py:<line>`` where an unexpected error was raised by healthcheck's own "
+        "code (a hook inside the script's training): a healthcheck bug, not the script's; None otherwise."
+    )

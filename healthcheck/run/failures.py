@@ -49,11 +49,52 @@ def record_worker_failure(run_dir: Path, rank: int, step: Optional[int], exc: Ba
             reason=f"{type(exc).__name__}: {one_line(exc)}"[:500],
             time=time.time(),
             exit_code=int(getattr(exc, "exit_code", 3)),  # InvalidInput keeps its exit 2
+            raised_in=raised_in_healthcheck(exc),
         )
         (folder / f"rank-{rank}.json").write_text(report.model_dump_json())
         (folder / f"rank-{rank}.traceback.txt").write_text("".join(traceback.format_exception(exc)))
     except OSError:
         pass  # the launcher still reports the exit code
+
+
+def raised_in_healthcheck(exc: BaseException) -> Optional[str]:
+    """``healthcheck/<module>.py:<line>`` when ``exc`` is an unexpected error raised by healthcheck's own code, else None.
+
+    A probe runs the script's training with healthcheck's hooks inside it, so an error in a hook kills the script
+    and reads as the script's: ``AttributeError: 'NoneType' object has no attribute 'detach'`` sent a user to debug a
+    script that trained fine alone. Only the raise site counts (the innermost frame): an error that torch or the
+    script raises under a healthcheck wrapper (a patched ``F.cross_entropy`` given bad labels) is not healthcheck's.
+    Nor is an error healthcheck raises on purpose, with a ``raise`` statement (bad input, a refused script, the end
+    of the probe): its message says what to do.
+
+    >>> from healthcheck.measure.metrics import as_matrix
+    >>> from healthcheck.ranks import rank_span
+    >>> try:
+    ...     rank_span(None)
+    ... except TypeError as exc:
+    ...     print(raised_in_healthcheck(exc).split(":")[0])
+    healthcheck/ranks.py
+    >>> try:
+    ...     as_matrix([[1.0, 2.0]])
+    ... except ValueError as exc:  # on purpose
+    ...     print(raised_in_healthcheck(exc))
+    None
+    >>> raised_in_healthcheck(ValueError("the script's own")) is None  # never raised: no frame
+    True
+    """
+    from healthcheck.errors import HealthcheckError
+
+    if isinstance(exc, (HealthcheckError, KeyboardInterrupt, SystemExit)) or exc.__traceback__ is None:
+        return None
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    package = Path(__file__).resolve().parents[1]
+    try:
+        where = Path(frame.filename).resolve().relative_to(package)
+    except ValueError:
+        return None
+    if (frame.line or "").lstrip().startswith("raise"):
+        return None
+    return f"{package.name}/{where.as_posix()}:{frame.lineno}"
 
 
 def read_worker_failures(run_dir: Path) -> list[WorkerFailure]:
@@ -111,7 +152,7 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
         # Every rank failing alike (a check every rank makes, an error in the script's shared code) is not one
         # rank's fault: naming the fastest reporter would point at the wrong rank.
         who = "every rank" if len(alike) == len(beats) > 1 else f"rank {first.rank}"
-        return f"{who} failed {at}: {first.reason}"
+        return f"{who} failed {at}: {first.reason}{_internal(first)}"
     silent = sorted(set(beats) - {r.rank for r in reports})
     if reports and silent:
         ranks = ", ".join(map(str, silent))
@@ -123,9 +164,19 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
         )
     if reports:
         first = min(reports, key=lambda r: r.time)
-        return f"rank {first.rank} failed at step {first.step}: {first.reason}"
+        return f"rank {first.rank} failed at step {first.step}: {first.reason}{_internal(first)}"
     last = summarize_run(run_dir, 0)["last_step"]
     return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
+
+
+def _internal(report: WorkerFailure) -> str:
+    """The clause that puts an error raised in healthcheck's own code on healthcheck, not on the script."""
+    if report.raised_in is None:
+        return ""
+    return (
+        f" (raised in healthcheck's own code, {report.raised_in}, not by the script: a healthcheck bug; please report it "
+        f"with {ERRORS_DIR}/rank-{report.rank}.traceback.txt)"
+    )
 
 
 #: gloo's prefix on its enforce messages: a source location in torch's build tree, of no use to the reader.

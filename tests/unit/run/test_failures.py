@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from healthcheck.run.failures import describe_failure, record_worker_failure
 from healthcheck.run.watchdog import Heartbeat
 
@@ -25,6 +27,30 @@ def test_a_failure_in_a_step_names_the_step(tmp_path):
     Heartbeat(tmp_path, 0).beat(4, "backward")
     record_worker_failure(tmp_path, 0, 4, RuntimeError("boom"))
     assert describe_failure(tmp_path, "exit 1") == "rank 0 failed at step 4: RuntimeError: boom"
+
+
+def test_an_error_raised_in_healthcheck_code_is_put_on_healthcheck_not_on_the_script(tmp_path):
+    # A hook of healthcheck's inside the script's backward failed (TRL's LoRA path once did): the reason alone read as
+    # the script's error. Raised by the interpreter in healthcheck's code, it is said to be healthcheck's.
+    from healthcheck.ranks import rank_span
+
+    for rank in range(2):
+        Heartbeat(tmp_path, rank).beat(2, "backward")
+    try:
+        rank_span(None)  # type: ignore[arg-type]
+    except TypeError as exc:
+        record_worker_failure(tmp_path, 0, 2, exc)
+    message = describe_failure(tmp_path, "exit 1")
+    assert message.startswith("rank 0 failed at step 2: TypeError: "), message
+    assert re.search(r" \(raised in healthcheck's own code, healthcheck/ranks\.py:\d+, not by the script: a healthcheck bug; "
+                     r"please report it with errors/rank-0\.traceback\.txt\)$", message), message
+    # The script's own error, even one from a library it calls, reads as before.
+    try:
+        int("x")
+    except ValueError as exc:
+        record_worker_failure(tmp_path, 1, 2, exc)
+    (tmp_path / "errors" / "rank-0.json").unlink()
+    assert describe_failure(tmp_path, "exit 1") == "rank 1 failed at step 2: ValueError: invalid literal for int() with base 10: 'x'"
 
 
 def test_a_rank_killed_by_a_signal_in_the_script_before_its_first_step(tmp_path):
