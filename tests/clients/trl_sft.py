@@ -5,6 +5,7 @@ torchrun --nproc_per_node 4 -- trl_sft.py --model DIR --data JSON --steps 6 --lo
 completion_only_loss=True: only completion tokens carry loss. Knows nothing about healthcheck. Appends each logged
 per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
 
+``--packing``: ``SFTConfig(packing=True)`` (TRL packs the examples into sequences of ``max_length``).
 ``--lora R``: TRL's own LoRA path, ``SFTTrainer(peft_config=LoraConfig(r=R, ...))`` on the attention projections.
 
 ``--loss-scale-rank R`` reproduces a per-node loss tweak for healthcheck's detection tests: rank R's trainer
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--loss-scale-rank", type=int, default=-1)
+    ap.add_argument("--packing", action="store_true", help="SFTConfig(packing=True)")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank through SFTTrainer(peft_config=...)")
     args = ap.parse_args()
 
@@ -78,6 +80,7 @@ def main():
         learning_rate=1e-3,
         max_length=args.max_len,
         completion_only_loss=True,
+        packing=args.packing,
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
