@@ -183,8 +183,9 @@ def test_stop_on_violation_stops_every_rank_early(tmp_path):
     assert math.isfinite(flagged[0]["healthcheck/cosine_mean"])
 
 
-def sft_worker(output_dir: str, model_dir: str) -> dict:
-    """TRL's SFTTrainer (prompt/completion rows, completion_only_loss, accumulation 2) with the callback."""
+def sft_worker(output_dir: str, model_dir: str, lora: bool = False) -> dict:
+    """TRL's SFTTrainer (prompt/completion rows, completion_only_loss, accumulation 2) with the callback; with
+    ``lora``, TRL's own LoRA path (``peft_config``)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -202,17 +203,24 @@ def sft_worker(output_dir: str, model_dir: str) -> dict:
         logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
         completion_only_loss=True, max_length=128,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, **peft)
     callback = HealthcheckCallback.attach(trainer, sketch_dim=256)
     trainer.train()
     return {"log_history": trainer.state.log_history, "loss_note": callback.loss_note}
 
 
 @pytest.mark.multiprocess
-def test_callback_reports_the_real_per_rank_loss_under_trl(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_callback_reports_the_real_per_rank_loss_under_trl(tmp_path, lora):
     # TRL computes its loss from the fused head's log-probs, divides by a global token count and
     # multiplies by the world size; the callback once reported world size x accumulation = 4x the
-    # loss here. Now it must agree with TRL's own logged (token-weighted) loss.
+    # loss here. Now it must agree with TRL's own logged (token-weighted) loss. With LoRA, DDP's
+    # find_unused_parameters hands the model's unused loss output an undefined gradient (loss_weight.py).
     import sys
 
     sys.path.insert(0, str(CLIENTS))
@@ -221,7 +229,7 @@ def test_callback_reports_the_real_per_rank_loss_under_trl(tmp_path):
     finally:
         sys.path.remove(str(CLIENTS))
     model_dir = make_tiny_llama(str(tmp_path / "model"))
-    out = launcher.launch_local(sft_worker, 2, (str(tmp_path / "trainer"), model_dir), run_id="hc-callback-trl")
+    out = launcher.launch_local(sft_worker, 2, (str(tmp_path / "trainer"), model_dir, lora), run_id="hc-callback-trl")
     history = out[0]["log_history"]
     ours = _healthcheck_rows(history)
     theirs = [row for row in history if "loss" in row]
