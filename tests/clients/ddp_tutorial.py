@@ -27,6 +27,10 @@ loader and prints a sanity loss of the unwrapped model in eval mode, without ``n
 an example it picks with ``random.choice`` (python's generator, which ``--set-seed`` seeds on every rank).
 
 ``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
+
+``--muon`` trains as nanochat does, with two optimizers stepped one after the other: ``torch.optim.Muon`` for the
+decoder's 2-D weight matrices and AdamW for the embeddings, the head and the norms. With it, the bug
+``adamw-lr-rank=R`` gives rank R's AdamW ten times the learning rate (a per-node override of one optimizer's).
 """
 
 import argparse
@@ -102,14 +106,15 @@ class Trainer:
         self.pause_s = pause_s
         self.model = DDP(model)  # CPU: no device_ids
         self.train_data = train_data
-        self.optimizer = optimizer
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.max_steps = max_steps
         self.log_path = log_path
         self.step = 0
 
     def _run_batch(self, input_ids, attn, labels):
         if self.zero_grad:
-            self.optimizer.zero_grad()
+            for optimizer in self.optimizers:
+                optimizer.zero_grad()
         logits = self.model(input_ids=input_ids, attention_mask=attn).logits
         shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)
@@ -120,7 +125,8 @@ class Trainer:
         loss.backward()
         if self.pause_s:
             time.sleep(self.pause_s)
-        self.optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
         # global token-weighted mean for logging
         stats = torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
         dist.all_reduce(stats)
@@ -175,6 +181,7 @@ def main():
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
+    ap.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices and AdamW for the rest, as nanochat")
     args = ap.parse_args()
 
     ddp_setup()
@@ -223,7 +230,13 @@ def main():
         with torch.no_grad():
             input_ids, attn, _ = make_collate(tok.pad_token_id)([ds[i] for i in range(args.batch_size)])
             model(input_ids=input_ids, attention_mask=attn)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.muon:  # nanochat's split: Muon for the blocks' matrices, AdamW for the rest, one step() each
+        matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and ".layers." in n]
+        others = [p for n, p in model.named_parameters() if not (p.ndim == 2 and ".layers." in n)]
+        adamw_lr = args.lr * (10 if faulted("adamw-lr-rank") else 1)
+        opt = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=adamw_lr)]
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):
         os.remove(args.log)
     loss_scale = 2.0 if faulted("loss-x2-rank") else 1.0

@@ -34,6 +34,7 @@ class TrainingForwards:
         self.count = 0  #: forwards whose output received a gradient before the first update
         self.reductions = 0  #: of those, the ones whose backward DDP all-reduced (not under no_sync)
         self.facts: Optional[dict[str, Any]] = None  #: read before the first of them
+        self.backwards = 0  #: backwards through the model's output, all run long (:mod:`.updates`)
         self._pending: Optional[dict[str, Any]] = None
         self._stopped = False
 
@@ -51,16 +52,17 @@ class TrainingForwards:
     def after(self, module: Any, args: Any, output: Any) -> None:
         import torch
 
-        if self._stopped or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return
         tensors = differentiable_tensors(output, _OUTPUT_DEPTH)
         if not tensors:
             return
-        facts, synced = self._pending, self._synced()
+        facts, synced = (None, False) if self._stopped else (self._pending, self._synced())
         # "any": once per backward through this output, whichever of its tensors the loss came from.
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._backwarded(facts, synced), mode="any")
 
     def _backwarded(self, facts: Optional[dict[str, Any]], synced: bool = False) -> None:
+        self.backwards += 1
         if self._stopped:
             return
         self.count += 1

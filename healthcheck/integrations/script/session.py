@@ -8,9 +8,9 @@ On every worker, before the script runs, :class:`ScriptSession` installs its pat
   with FSDP2 (``fully_shard`` on blocks, then on the root) gets the same: the outermost sharded module
   is the root, the loss capture watches it from when it is sharded, and the monitor takes its
   reduce-scatters at its first training forward (when every ``fully_shard`` call has been made);
-* an optimizer step that updates the monitored model's parameters is a probe step. Before it runs
-  (after the synchronising backward) the monitor gathers the step's metrics; after it, parameter
-  hashes are compared on check steps;
+* an optimizer step that updates the monitored model's parameters is a probe step (other optimizers stepping before the
+  next backward join it: :mod:`.updates`). Before it runs (after the synchronising backward) the monitor gathers the
+  step's metrics; after it, parameter hashes are compared on check steps;
 * at the first step, what every rank trains with (seeds and RNG at the first training forward, the
   environment, its loss and clipping settings, the first step's DataLoader indices) is gathered and judged at once, and so are the
   parameter hashes on check steps: with fail fast, a decisive failure ends the probe there;
@@ -43,6 +43,7 @@ from healthcheck.integrations.script.session_hooks import ProbeComplete, Session
 from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.integrations.script.step_facts import ScaleRecorder, step_facts
+from healthcheck.integrations.script.updates import UpdateSteps
 from healthcheck.judge.assemble import environment_from_evidence, parameter_outcomes, script_shard_audit, seeds_from_evidence
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.fail_fast import FailFast, StepAudits
@@ -71,8 +72,9 @@ class ScriptSession:
         self.report: Optional[WorkerReport] = None
         self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
         self.forwards = TrainingForwards(self._first_forward_facts, lambda: getattr(self.model, "require_backward_grad_sync", False))
+        self.updates = UpdateSteps(lambda: self.forwards.backwards)  #: several optimizers, one update (:mod:`.updates`)
         self._param_ids: set[int] = set()
-        self._registering, self._depth = False, 0
+        self._registering, self._depth, self._joined = False, 0, 0
         self._loss_problem: Optional[str] = None
         self._all_ranks: list[RankInfo] = []
         self._first_step_at = self._train_started = 0.0
@@ -235,6 +237,9 @@ class ScriptSession:
                 "the script stepped its optimizer before a forward through its DistributedDataParallel model; "
                 "healthcheck measures the gradients DDP reduces, so call the DDP model, not its .module"
             )
+        if self._joined or self._depth == 0 and self.updates.joins(optimizer):  # another optimizer of this update
+            self._joined += 1
+            return
         self._depth += 1
         if self._depth > 1:  # an optimizer whose step() calls its base class's: one step, not two
             return
@@ -289,9 +294,13 @@ class ScriptSession:
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer) or self.scales.overflowed(optimizer):
             return
+        if self._joined:
+            self._joined -= 1
+            return
         self._depth -= 1
         if self._depth > 0:
             return
+        self.updates.settle()
         assert self.audit is not None
         step = self.steps_done
         self.audit.after_optimizer_step(step)  # collective on parameter-check steps
@@ -347,14 +356,9 @@ class ScriptSession:
         self._start_replay(device, next((item["replay"] for item in gathered if item["replay"]), None))
         if self.fail_fast.policy.enabled:
             per_rank = [RankEvidence.model_validate(item["evidence"]) for item in gathered]
-            self.fail_fast.judge(
-                0,
-                {
-                    "data_shards": script_shard_audit(per_rank),
-                    "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
-                    "environment": environment_from_evidence(self._all_ranks, per_rank),
-                },
-            )
+            audits = {"data_shards": script_shard_audit(per_rank), "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
+                      "environment": environment_from_evidence(self._all_ranks, per_rank)}
+            self.fail_fast.judge(0, audits)
         self._first_step_at = time.time()
         self._train_started = time.perf_counter()
 
@@ -396,6 +400,7 @@ class ScriptSession:
             self.audit.sampler, self.audit.dataset_digest, self.audit.batch_facts = loader.plan, loader.dataset_digest, loader.batch_facts
         self.audit.shard_source = "none" if loader is None else ("sampler" if loader.plan else "loader")
         self.audit.loss_problem = self._loss_problem
+        self.audit.extra.update(self.updates.facts)  # the first update's other optimizers (:mod:`.updates`)
         evidence = self.audit.finish(plan_samples=(loader.dataset_size or 0) if loader else 0)
         self.complete = True
         if evidence is None:
