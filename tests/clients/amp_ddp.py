@@ -6,7 +6,9 @@ The scaler starts at --init-scale (2**20 overflows in fp16 for the first steps o
 them: optimizer.step() is not called, and the scale halves, as a GPU run starting at 2**16 often does). --no-scaler:
 the same loop with GradScaler(enabled=False). --rank-scale R=S: rank R's scaler starts at S instead (a per-node
 config). --fused: AdamW(fused=True), which takes the scaling itself (the scaler calls its step with found_inf set, and
-it skips inside). The loss is the token cross-entropy a language model's is. Knows nothing about healthcheck.
+it skips inside). --two-optimizers: one AdamW per Linear, stepped one after the other through the scaler (the AMP
+recipe's several optimizers): an inf in one optimizer's gradients skips that one alone. The loss is the token
+cross-entropy a language model's is. Knows nothing about healthcheck.
 """
 
 import argparse
@@ -23,12 +25,16 @@ def main():
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--rank-scale", default="")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--two-optimizers", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)
+    if args.two_optimizers:
+        optimizers = [torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=args.fused or None) for layer in model.module[::2]]
+    else:
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)]
     init_scale = args.init_scale
     if args.rank_scale and int(args.rank_scale.partition("=")[0]) == rank:
         init_scale = float(args.rank_scale.partition("=")[2])
@@ -40,11 +46,16 @@ def main():
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        # For the log only: which optimizers this step's inf skipped (the scaler's per-optimizer record).
+        skipped = [i for i, o in enumerate(optimizers)
+                   if scaler.is_enabled() and sum(v.item() for v in scaler._found_inf_per_device(o).values())]
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            print(f"step {step} loss {loss.item():.4f} scale {scaler.get_scale():.0f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} scale {scaler.get_scale():.0f} skipped {skipped}", flush=True)
     dist.destroy_process_group()
 
 
