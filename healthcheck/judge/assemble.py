@@ -72,10 +72,6 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["param_equality"] = explained_by_learning_rate(outcomes["param_equality"], rows, world)
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
-    norms: dict[int, list[Any]] = {}
-    for row in rows:
-        norms.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("grad_norm")
-    outcomes["zero_gradients"] = zero_gradients_audit(norms)
     metrics = config.metrics
     outcomes["stragglers"] = straggler_outcome(rows, world, metrics.straggler_factor, metrics.straggler_max_p)
     per_step: dict[int, dict[str, list[Any]]] = {}
@@ -84,6 +80,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         columns = per_step.setdefault(row["step"], {m: [None] * world for m in per_rank_columns})
         for metric in per_rank_columns:
             columns[metric][row["rank"]] = row.get(metric)
+    outcomes["zero_gradients"] = zero_gradients_audit({step: columns["grad_norm"] for step, columns in per_step.items()})
     if config.script is not None:  # script mode's readings: the loss's weight in each rank's backward, stale gradients
         weights: dict[int, list[Any]] = {}
         tokens: dict[int, list[Any]] = {}
@@ -98,7 +95,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
     # A script's own comm hook, where every rank has the same one (else the environment audit names the rank).
-    sharded = config.distributed.strategy == "fsdp" or _common_fact(per_rank, "fsdp.mp_policy", "") != ""
+    sharded = config.distributed.strategy == "fsdp" or any("fsdp.mp_policy" in e.extra for e in per_rank)
     outcomes["reduction_numerics"] = reduction_audit(
         checked, world, _common_fact(per_rank, "ddp.comm_hook", ""), _common_fact(per_rank, "model_dtype", "float32"),
         _common_fact(per_rank, "ddp.comm_hook_state", ""), "reduce-scattered" if sharded else "all-reduced",

@@ -186,6 +186,12 @@ def _subject_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
     return f"baseline was recorded for {subject(recorded)}, this run probes {subject(probed)}"
 
 
+def _measurement_notes(result: RunResult) -> list[str]:
+    """What the run could not measure as asked: the loss, and the gradients where the script reduces them early."""
+    notes = [f"loss not measured: {result.loss_note}"] if result.loss_note else []
+    return notes + ([f"gradients: {result.gradient_note}"] if result.gradient_note else [])
+
+
 def judge(
     result: RunResult, baseline: Baseline, *, baseline_path: Optional[str] = None, force: bool = False, record_hint: Optional[str] = None
 ) -> Verdict:
@@ -225,10 +231,7 @@ def judge(
         findings = [EnvelopeCheck(metric, envelope).evaluate(result) for metric, envelope in baseline.envelopes.items()]
     findings += [AuditCheck(name, baseline.audits.get(name)).evaluate(result) for name in sorted(result.audits)]
     notes += _stopped_early_notes(result, findings, envelopes=len(baseline.envelopes))
-    if result.loss_note:
-        notes.append(f"loss not measured: {result.loss_note}")
-    if result.gradient_note:
-        notes.append(f"gradients: {result.gradient_note}")
+    notes += _measurement_notes(result)
     diff = config_diff(normalized_snapshot(baseline.config), result.config.model_dump(mode="json"))
     return Verdict.collect(
         findings,
@@ -269,10 +272,7 @@ def judge_audits_only(result: RunResult) -> Verdict:
     notes = ["audits only: no baseline envelope was judged; each audit was judged against its ideal expectation"]
     findings = [AuditCheck(name).evaluate(result) for name in sorted(result.audits)]
     notes += _stopped_early_notes(result, findings)
-    if result.loss_note:
-        notes.append(f"loss not measured: {result.loss_note}")
-    if result.gradient_note:
-        notes.append(f"gradients: {result.gradient_note}")
+    notes += _measurement_notes(result)
     return Verdict.collect(
         findings, notes=notes, audits_only=True, stopped_early=result.stopped_early.headline() if result.stopped_early else None
     )
