@@ -374,6 +374,11 @@ class AuditEvidence(Record):
     plan_samples: int = Field(0, ge=0, description="Samples in the data set the shared shard plan splits.")
     sharded: Optional[ShardedEvidence] = Field(None, description="FSDP2 runs: the sharded-state evidence.")
     replay: Optional[ReplayEvidence] = Field(None, description="The replay audit's evidence (None when no replay ran).")
+    scaler_overflows: list[tuple[int, list[int]]] = Field(
+        default_factory=list,
+        description="--script: (step, ranks whose local gradient was non-finite) of each step whose update every "
+        "rank's GradScaler skipped in part (one of several optimizers): not measured, no row.",
+    )
 
 
 class WorkerReport(Record):

@@ -164,7 +164,7 @@ def data_shard_audit(
 def batch_audit(per_rank: Sequence[Mapping[str, str]]) -> Optional[AuditOutcome]:
     """Do the ranks' DataLoaders make the same batch of the same samples? None where some rank could not tell
     (no facts), or when they agree. Each mapping is a rank's field -> ``dtype[shape] hash`` of the batch its
-    ``collate_fn`` makes of the dataset's first, middle and last samples (``observe.batch_facts``).
+    ``collate_fn`` makes of the dataset's first, middle and last samples (``loaders.batch_facts``).
 
     >>> same = {"input_ids": "int64[3,9] 1a2b3c4d", "labels": "int64[3,9] 5e6f7a8b"}
     >>> short = {"input_ids": "int64[3,8] 0badc0de", "labels": "int64[3,8] 0ddba11a"}

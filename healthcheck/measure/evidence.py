@@ -65,6 +65,8 @@ class AuditRecorder:
         self.loss_problem: Optional[str] = None
         #: The replay audit's evidence (:mod:`healthcheck.run.replay_rounds` fills it; the same on every rank).
         self.replay: Optional[ReplayEvidence] = None
+        #: Steps a GradScaler skipped in part, with their ranks' non-finite gradients (:class:`AuditEvidence`).
+        self.scaler_overflows: list[tuple[int, list[int]]] = []
         # FSDP2: no parameter is replicated, so check steps compare the optimizer instead (collective).
         self.sharded = None
         if sharded:
@@ -125,6 +127,7 @@ class AuditRecorder:
             plan_samples=plan_samples,
             sharded=sharded,
             replay=self.replay,
+            scaler_overflows=self.scaler_overflows,
         )
 
     def param_names(self) -> list[str]:

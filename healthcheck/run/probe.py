@@ -356,6 +356,12 @@ def _loss_note(report: Optional[WorkerReport]) -> Optional[str]:
 
 
 def _gradient_note(report: Optional[WorkerReport]) -> Optional[str]:
+    """What the gradient metrics describe where it is not each rank's own step gradient, and the steps they skip."""
+    notes = [note for note in (_accumulation_note(report), _overflow_note(report)) if note]
+    return "; ".join(notes) or None
+
+
+def _accumulation_note(report: Optional[WorkerReport]) -> Optional[str]:
     """Where a DDP script all-reduced more than once before its first update (accumulation without ``no_sync``,
     ``integrations/script/forwards.py``): what the gradient metrics then describe."""
     counts = {e.extra.get("ddp.reductions_in_step_0", "1") for e in (report.evidence.per_rank if report else ())}
@@ -367,4 +373,23 @@ def _gradient_note(report: Optional[WorkerReport]) -> Optional[str]:
         "no_sync): DDP averages each into .grad before the next adds to it, so the gradient read at the last reduction "
         "is the last micro-batch's own plus the average of the earlier ones, and norms and cosines lean towards the "
         "mean; wrap all but the last backward in model.no_sync(), as accelerate and the Trainer do"
+    )
+
+
+def _overflow_note(report: Optional[WorkerReport]) -> Optional[str]:
+    """The steps whose update every rank's GradScaler skipped in part (``integrations/script/scaler_skips.py``).
+
+    >>> from types import SimpleNamespace as N
+    >>> note = _overflow_note(N(evidence=N(scaler_overflows=[(3, [0, 1]), (4, [1])])))
+    >>> note.split(" in the parameters")[0]
+    'steps 3, 4 not measured: the GradScaler found inf or NaN gradients (local on ranks 0, 1)'
+    """
+    overflows = report.evidence.scaler_overflows if report else []
+    if not overflows:
+        return None
+    steps = ", ".join(str(step) for step, _ in overflows)
+    ranks = ", ".join(str(rank) for rank in sorted({rank for _, ranks in overflows for rank in ranks}))
+    return (
+        f"step{'s' if len(overflows) > 1 else ''} {steps} not measured: the GradScaler found inf or NaN gradients "
+        f"(local on ranks {ranks}) in the parameters of some of the script's optimizers and skipped those, while the others stepped"
     )

@@ -1,14 +1,16 @@
 """fp16 mixed precision under DDP, as PyTorch's AMP recipe writes it: autocast(float16) and a GradScaler (CPU, gloo).
 
 torchrun --nproc_per_node 2 amp_ddp.py --steps 8 [--init-scale 1048576] [--no-scaler] [--rank-scale R=S] [--fused]
+                                         [--two-optimizers [first-layer-first|last-layer-first]]
 
 The scaler starts at --init-scale (2**20 overflows in fp16 for the first steps on every rank here, and the scaler skips
 them: optimizer.step() is not called, and the scale halves, as a GPU run starting at 2**16 often does). --no-scaler:
 the same loop with GradScaler(enabled=False). --rank-scale R=S: rank R's scaler starts at S instead (a per-node
 config). --fused: AdamW(fused=True), which takes the scaling itself (the scaler calls its step with found_inf set, and
 it skips inside). --two-optimizers: one AdamW per Linear, stepped one after the other through the scaler (the AMP
-recipe's several optimizers): an inf in one optimizer's gradients skips that one alone. The loss is the token
-cross-entropy a language model's is. Knows nothing about healthcheck.
+recipe's several optimizers): an inf in one optimizer's gradients skips that one alone (from 2**20 the last layer's
+overflow alone at the script's steps 3 and 4, so the optimizer stepped first is skipped in one order and steps in
+the other). The loss is the token cross-entropy a language model's is. Knows nothing about healthcheck.
 """
 
 import argparse
@@ -25,7 +27,7 @@ def main():
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--rank-scale", default="")
     ap.add_argument("--fused", action="store_true")
-    ap.add_argument("--two-optimizers", action="store_true")
+    ap.add_argument("--two-optimizers", nargs="?", const="first-layer-first", choices=["first-layer-first", "last-layer-first"])
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -33,6 +35,8 @@ def main():
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)))
     if args.two_optimizers:
         optimizers = [torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=args.fused or None) for layer in model.module[::2]]
+        if args.two_optimizers == "last-layer-first":
+            optimizers.reverse()
     else:
         optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)]
     init_scale = args.init_scale

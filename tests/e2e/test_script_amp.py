@@ -76,6 +76,30 @@ def test_steps_the_scaler_skips_are_not_probe_steps(fused, unscaled_run, tmp_pat
         assert 0.5 < row["grad_norm"] / plain[key]["grad_norm"] < 2, (key, row["grad_norm"], plain[key]["grad_norm"])
 
 
+@pytest.mark.parametrize("order, fused", [("first-layer-first", False), ("last-layer-first", False), ("last-layer-first", True)])
+def test_an_optimizer_the_scaler_skips_alone_leaves_the_step_unmeasured(order, fused, tmp_path):
+    # One AdamW per Linear, both stepped through the scaler. From 2**20 the script's steps 0-2 overflow everywhere
+    # (skipped whole) and steps 3-4 in the last layer alone: the scaler skips that layer's optimizer and the other
+    # steps. Before, with the first layer's optimizer stepped first, the step's inf gradients failed `nonfinite`
+    # (exit 1); in the other order the skip of the first optimizer discarded the step's gradients before the second
+    # stepped on them, and every rank ended in exit 3. Now the two partly skipped updates are probe steps 0 and 1,
+    # not measured, and said so; probe step 2 is the script's step 5.
+    done = probe(tmp_path / "run", "--init-scale", "1048576", "--two-optimizers", order, *(["--fused"] if fused else []))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps_completed"] == STEPS and all(a["passed"] for a in result["audits"].values()), result["audits"]
+    assert result["gradient_note"].startswith("steps 0, 1 not measured: the GradScaler found inf"), result["gradient_note"]
+    log = (tmp_path / "run" / "logs" / "rank-0.log").read_text()
+    skipped = dict(re.findall(r"step (\d+) loss \S+ scale \d+ skipped (\[.*\])", log))
+    last_layer = "[0]" if order == "last-layer-first" else "[1]"
+    assert [skipped[str(s)] for s in range(6)] == ["[0, 1]"] * 3 + [last_layer] * 2 + ["[]"], skipped
+    rows = rows_by_key(tmp_path / "run")
+    assert sorted({step for step, _ in rows}) == list(range(2, STEPS)), sorted(rows)
+    logged = dict(re.findall(r"step (\d+) loss (\S+) scale", log))
+    assert rows[(2, 0)]["loss"] == pytest.approx(float(logged["5"]), abs=1e-4), (rows[(2, 0)], logged["5"])
+    assert all(rows[key]["grad_scale"] == 32768.0 and rows[key]["scaler_skips"] == 0.0 for key in rows), rows
+
+
 @pytest.mark.parametrize("odd", [0, 2])
 def test_a_rank_with_another_scale_is_named(odd, tmp_path):
     # One rank's scaler starts at 512, the others' at 256: its gradient enters the all-reduce with twice the weight,

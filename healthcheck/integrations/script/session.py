@@ -35,9 +35,11 @@ from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.grad_start import GradientStart
+from healthcheck.integrations.script.loaders import LoaderRecorder
 from healthcheck.integrations.script.monitor_start import make_monitor
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
+from healthcheck.integrations.script.scaler_skips import PendingSkip, overflowed_in_part
 from healthcheck.integrations.script.seeds import SeedCalls
 from healthcheck.integrations.script.session_hooks import ProbeComplete, SessionHooks
 from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
@@ -61,7 +63,7 @@ class ScriptSession:
         self.capture = LossCapture()
         self.clips = ClipRecorder(lambda: self._param_ids)
         self.scales = ScaleRecorder()  #: which GradScaler steps which optimizer, and its skips (fp16 mixed precision)
-        self.loaders = observe.LoaderRecorder()
+        self.loaders = LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
         self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_at_start)
@@ -73,6 +75,7 @@ class ScriptSession:
         self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
         self.forwards = TrainingForwards(self._first_forward_facts, lambda: getattr(self.model, "require_backward_grad_sync", False))
         self.updates = UpdateSteps(lambda: self.forwards.backwards)  #: several optimizers, one update (:mod:`.updates`)
+        self.skip = PendingSkip(self._skipped_whole)  #: a GradScaler's skip, whole or in part (:mod:`.scaler_skips`)
         self._param_ids: set[int] = set()
         self._registering, self._depth, self._joined = False, 0, 0
         self._loss_problem: Optional[str] = None
@@ -133,7 +136,7 @@ class ScriptSession:
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
         self._grad_start = GradientStart(ddp)
-        self._handles += self.forwards.attach(ddp.module) + self._grad_start.attach(ddp.module)
+        self._handles += self.forwards.attach(ddp.module) + self._grad_start.attach(ddp.module) + [self.skip.attach(ddp.module)]
         self._keeper = BatchKeeper(ddp.module)
         self.audit = AuditRecorder(ddp.module, param_check_every=self.config.metrics.param_check_every)
         self.hooks.install_faults(ddp.module)
@@ -169,13 +172,12 @@ class ScriptSession:
         self.monitor = make_monitor(self.config, module)
         self.model = module
         self._param_ids = {id(p) for p in module.parameters()}
-        self.audit = AuditRecorder(
-            module, param_check_every=self.config.metrics.param_check_every, sharded=True, pre_shard=self.fsdp.pre_shard
-        )
+        every = self.config.metrics.param_check_every
+        self.audit = AuditRecorder(module, param_check_every=every, sharded=True, pre_shard=self.fsdp.pre_shard)
         # The root's forwards, counted as DDP's are. This one's pre-hooks are already running; its forward hooks,
         # read after the forward, include the one added here.
         self._grad_start = GradientStart(module)
-        self._handles += self.forwards.attach(module) + self._grad_start.attach(module)
+        self._handles += self.forwards.attach(module) + self._grad_start.attach(module) + [self.skip.attach(module)]
         self.forwards.before(module, args)
 
     def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
@@ -239,10 +241,12 @@ class ScriptSession:
             )
         if self._joined or self._depth == 0 and self.updates.joins(optimizer):  # another optimizer of this update
             self._joined += 1
+            self.scales.stepped(optimizer)
             return
         self._depth += 1
         if self._depth > 1:  # an optimizer whose step() calls its base class's: one step, not two
             return
+        self.skip.cancel()  # the scaler skipped another optimizer on these gradients: this update is under way
         step = self.steps_done
         self.hooks.beat(step, "sync")
         if step == 0:
@@ -273,6 +277,10 @@ class ScriptSession:
         if metrics is None:
             return
         metrics = unscaled(metrics)  # a GradScaler's scale, common to every rank, out of the norms (measure/loss_scale.py)
+        if overflowed_in_part(metrics):  # every rank's scaler skipped an optimizer of it: nothing measured (:mod:`.scaler_skips`)
+            assert self.audit is not None
+            self.audit.scaler_overflows.append((metrics.step, metrics.nonfinite_ranks))
+            return
         self.hooks.on_metrics(metrics.step, metrics)
         # Every rank sees the same gathered metrics, so all stop after the same step.
         self.fail_fast.nonfinite(metrics.step, metrics.nonfinite_ranks)
@@ -280,16 +288,20 @@ class ScriptSession:
             self.fail_fast.judge(metrics.step, self._step_audits.add(metrics.step, metrics.per_rank_extras, metrics.per_rank_tokens))
 
     def on_scaler_step(self, optimizer: Any) -> None:
-        """A ``GradScaler.step`` returned: where it skipped this optimizer's step (an inf or NaN gradient), that
-        backward was no probe step, so what the monitor recorded of it, the loss it captured and its timing start are
-        dropped (:mod:`.step_facts`)."""
-        if self.scales.skipped(optimizer) and self.monitor is not None and self._owns(optimizer):
-            self.monitor.discard_step()
-            self.forwards.restart()
-            self.capture.take()
-            if self._keeper is not None:
-                self._keeper.reset()
-            self._last_post = time.perf_counter()
+        """A ``GradScaler.step`` returned. Where it skipped the first optimizer of an update (an inf or NaN gradient),
+        the update is skipped whole unless another optimizer steps before the next forward (:mod:`.scaler_skips`)."""
+        if self.scales.skipped(optimizer) and self.monitor is not None and self._owns(optimizer) and not self.updates.under_way():
+            self.skip.arm()
+
+    def _skipped_whole(self, skipped_at: float) -> None:
+        """That backward was no probe step: what the monitor, the loss capture and the forward counts took from it goes."""
+        self.scales.skips += 1
+        self.monitor.discard_step()
+        self.forwards.restart()
+        self.capture.take()
+        if self._keeper is not None:
+            self._keeper.reset()
+        self._last_post = skipped_at
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer) or self.scales.overflowed(optimizer):
@@ -337,19 +349,10 @@ class ScriptSession:
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
         self.audit.hints = dict(facts.get("hooks", {}))
-        plan = loader.plan if loader else None
-        rank_info, device = observe.rank_info(facts, plan, self.monitor)
+        rank_info, device = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
         # What the first step already shows rides on the same gather: RNG states, the recorded extras and
         # the first step's DataLoader indices.
-        early = RankEvidence(
-            consumed=list(loader.batches) if loader else [],
-            rng=self.audit.rng,
-            extra=self.audit.extra,
-            sampler=plan,
-            shard_source="none" if loader is None else ("sampler" if plan else "loader"),
-            dataset_digest=loader.dataset_digest if loader else None,
-            batch_facts=loader.batch_facts if loader else {},
-        )
+        early = RankEvidence(rng=self.audit.rng, extra=self.audit.extra, **self.loaders.evidence())
         replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
         self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
@@ -359,8 +362,7 @@ class ScriptSession:
             audits = {"data_shards": script_shard_audit(per_rank), "seeds": seeds_from_evidence(self._all_ranks, per_rank, script=True),
                       "environment": environment_from_evidence(self._all_ranks, per_rank)}
             self.fail_fast.judge(0, audits)
-        self._first_step_at = time.time()
-        self._train_started = time.perf_counter()
+        self._first_step_at, self._train_started = time.time(), time.perf_counter()
 
     def _start_replay(self, device: Any, problem: Optional[str]) -> None:
         """The replay audit's rounds, where every rank's model computes its own loss (decided alike on all ranks)."""
@@ -395,10 +397,8 @@ class ScriptSession:
             self._record(self.monitor.flush())  # the last step's gather, still in flight
             self.monitor.close()
         loader = self.loaders.training_loader()
-        self.audit.consumed = list(loader.batches) if loader else []
-        if loader:
-            self.audit.sampler, self.audit.dataset_digest, self.audit.batch_facts = loader.plan, loader.dataset_digest, loader.batch_facts
-        self.audit.shard_source = "none" if loader is None else ("sampler" if loader.plan else "loader")
+        for name, value in self.loaders.evidence().items():
+            setattr(self.audit, name, value)
         self.audit.loss_problem = self._loss_problem
         self.audit.extra.update(self.updates.facts)  # the first update's other optimizers (:mod:`.updates`)
         evidence = self.audit.finish(plan_samples=(loader.dataset_size or 0) if loader else 0)

@@ -5,9 +5,10 @@
   precision: PyTorch's AMP recipe, accelerate's and the Trainer's ``fp16``). The monitor measures the gradients DDP
   reduces, and the scaler multiplied those by its scale (2**16 to start): the step's norms are divided by it where
   every rank's is the same (:func:`healthcheck.measure.loss_scale.unscaled`). None without a scaler.
-* ``scaler_skips``: the steps that scaler skipped since the rank's last probe step. A skipped step (an inf or NaN
-  gradient) is no probe step (:class:`ScaleRecorder` says how it is told): the session discards what the monitor
-  recorded of it, the loss it captured and the forwards it counted.
+* ``scaler_skips``: the updates the scalers skipped whole since the rank's last probe step (None without a scaler,
+  or with a disabled one: it never skips). A skipped update (an inf or NaN gradient) is no probe step
+  (:class:`ScaleRecorder` says how it is told, :mod:`.scaler_skips` when it is whole): the session discards what the
+  monitor recorded of it, the loss it captured and the forwards it counted.
 * ``comm_hook_exact``: whether the script's comm hook still all-reduced exactly (:mod:`healthcheck.measure.script_hook`).
 
 Every key is present on every rank, None where it does not apply: the gathered vector has one column per key.
@@ -20,16 +21,19 @@ from typing import Any, Optional
 
 class ScaleRecorder:
     """Which GradScaler is stepping which optimizer (``GradScaler.step`` is patched to tell, before it runs), and the
-    steps it skipped. A scaler skips a step with an inf or NaN gradient in one of two ways: it does not call
-    ``optimizer.step()`` at all (:meth:`skipped`, after it returns), or, for an optimizer that takes the scaling itself
-    (``_step_supports_amp_scaling``: fused AdamW, transformers' Trainer's default with torch >= 2.8), it calls it with
-    ``optimizer.found_inf`` set and the optimizer skips inside (:meth:`overflowed`, at that call).
+    updates skipped whole (:attr:`skips`, counted by the session: :mod:`.scaler_skips`). A scaler skips a step with an
+    inf or NaN gradient in one of two ways: it does not call ``optimizer.step()`` at all (:meth:`skipped`, after it
+    returns), or, for an optimizer that takes the scaling itself (``_step_supports_amp_scaling``: fused AdamW,
+    transformers' Trainer's default with torch >= 2.8), it calls it with ``optimizer.found_inf`` set and the optimizer
+    skips inside (:meth:`overflowed`, at that call).
 
     >>> class Scaler:
     ...     def get_scale(self): return 65536.0
+    ...     def is_enabled(self): return True
     >>> scales, optimizer = ScaleRecorder(), object()
     >>> scales.observe(Scaler(), optimizer); scales.skipped(optimizer)  # an inf gradient: no optimizer step
     True
+    >>> scales.skips += 1  # no other optimizer stepped on those gradients: the whole update
     >>> scales.observe(Scaler(), optimizer); scales.overflowed(optimizer), scales.take(optimizer), scales.skipped(optimizer)
     (False, (65536.0, 1), False)
     >>> scales.take(optimizer)  # once per step: the next step's GradScaler.step tells again
@@ -38,7 +42,7 @@ class ScaleRecorder:
 
     def __init__(self) -> None:
         self._scalers: dict[int, Any] = {}
-        self._skips: dict[int, int] = {}
+        self.skips = 0  #: updates skipped whole since the last probe step
 
     def observe(self, scaler: Any, optimizer: Any) -> None:
         self._scalers[id(optimizer)] = scaler
@@ -52,18 +56,22 @@ class ScaleRecorder:
 
     def take(self, optimizer: Any) -> tuple[Optional[float], Optional[int]]:
         """The scale this step's backward was multiplied by (read before ``GradScaler.update()``, which comes after
-        ``step()``; a disabled scaler reads 1.0), and the steps its scaler skipped since the last one; Nones without."""
+        ``step()``; a disabled scaler reads 1.0), and the updates skipped whole since the last probe step (None for a
+        disabled scaler); Nones without a scaler."""
         scaler = self._scalers.pop(id(optimizer), None)
         if scaler is None:
             return None, None
-        return float(scaler.get_scale()), self._skips.pop(id(optimizer), 0)
+        skips, self.skips = self.skips, 0
+        return float(scaler.get_scale()), skips if scaler.is_enabled() else None
+
+    def stepped(self, optimizer: Any) -> None:
+        """Another optimizer of the update steps (:mod:`.updates`): its scale is the first one's."""
+        self._scalers.pop(id(optimizer), None)
 
     def skipped(self, optimizer: Any) -> bool:
-        """After ``GradScaler.step(optimizer)``: whether it skipped the optimizer's step (no :meth:`take` in it)."""
-        if self._scalers.pop(id(optimizer), None) is None:
-            return False
-        self._skips[id(optimizer)] = self._skips.get(id(optimizer), 0) + 1
-        return True
+        """After ``GradScaler.step(optimizer)``: whether it skipped the optimizer's step (no :meth:`take` or
+        :meth:`stepped` in it)."""
+        return self._scalers.pop(id(optimizer), None) is not None
 
 
 def step_facts(optimizer: Any, model: Any, scales: ScaleRecorder) -> dict[str, Optional[float]]:

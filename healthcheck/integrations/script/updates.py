@@ -40,8 +40,10 @@ class UpdateSteps:
     False
     >>> count[0] += 1  # the replay audit's backward, inside muon's step
     >>> updates.settle()
-    >>> updates.joins(adamw)
-    True
+    >>> updates.joins(adamw), updates.under_way()
+    (True, True)
+    >>> count[0] += 1; updates.under_way()  # the next step's backward
+    False
     """
 
     def __init__(self, backwards: Callable[[], int]):
@@ -65,6 +67,10 @@ class UpdateSteps:
         self._at_begin, self._stepped = count, {id(optimizer)}
         self._updates += 1
         return False
+
+    def under_way(self) -> bool:
+        """True from an update's first optimizer step to the next backward: an optimizer stepping then is one of its."""
+        return self._updates > 0 and self._backwards() == self._at_begin
 
     def settle(self) -> None:
         """After the update's first optimizer stepped: backwards until now (the replay audit's, run inside that step)

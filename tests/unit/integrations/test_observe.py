@@ -9,14 +9,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from healthcheck.integrations.script import observe
+from healthcheck.integrations.script import loaders, observe
 from healthcheck.integrations.script.patches import Patches, install
 from healthcheck.integrations.script.seeds import SeedCalls
 
 
 class Session:
     def __init__(self):
-        self.loaders = observe.LoaderRecorder()
+        self.loaders = loaders.LoaderRecorder()
         self.seeds = SeedCalls()
 
     def on_fetch(self, iterator, indices):
@@ -53,8 +53,8 @@ def test_fetches_are_recorded_per_epoch_with_the_samplers_plan():
 
 def test_the_sampler_is_found_through_nested_batch_samplers_and_absent_otherwise():
     inner = DistributedSampler(list(range(10)), num_replicas=2, rank=0, seed=3)
-    assert observe.sampler_plan(BatchSampler(inner, 2, False)).seed == 3
-    assert observe.sampler_plan(BatchSampler(RandomSampler(range(10)), 2, False)) is None
+    assert loaders.sampler_plan(BatchSampler(inner, 2, False)).seed == 3
+    assert loaders.sampler_plan(BatchSampler(RandomSampler(range(10)), 2, False)) is None
 
 
 def test_the_loader_that_fetched_most_is_the_training_loader():
@@ -137,19 +137,19 @@ def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness(
     torch.manual_seed(3)
     random.seed(3)
     before = (torch.get_rng_state(), random.getstate())
-    digests = {observe.dataset_digest(Augmented()) for _ in range(2)}
+    digests = {loaders.dataset_digest(Augmented()) for _ in range(2)}
     assert len(digests) == 1 and next(iter(digests)).startswith("5 samples, sha256 ")  # seeded alike each time
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
-    assert observe.dataset_digest([1, 2, 3]) != observe.dataset_digest([1, 9, 3])  # the middle sample differs
-    assert observe.dataset_digest(range(0)) is None and observe.dataset_digest({"not": "indexable"}) is None
+    assert loaders.dataset_digest([1, 2, 3]) != loaders.dataset_digest([1, 9, 3])  # the middle sample differs
+    assert loaders.dataset_digest(range(0)) is None and loaders.dataset_digest({"not": "indexable"}) is None
 
 
 def test_the_dataset_digest_sees_a_changed_block_away_from_the_first_middle_and_last_samples():
     # Another revision of the file: a tenth of the records differ, none of them the first, the middle or the last.
     rows = [f"record {i}" for i in range(1000)]
     revised = rows[:100] + [f"record {i}, revised" for i in range(100, 200)] + rows[200:]
-    assert observe.dataset_digest(rows) != observe.dataset_digest(revised)
-    assert observe.dataset_digest(rows) == observe.dataset_digest(list(rows))
+    assert loaders.dataset_digest(rows) != loaders.dataset_digest(revised)
+    assert loaders.dataset_digest(rows) == loaders.dataset_digest(list(rows))
 
 
 def test_the_batch_facts_follow_the_collate_and_not_the_scripts_randomness():
@@ -170,18 +170,18 @@ def test_the_batch_facts_follow_the_collate_and_not_the_scripts_randomness():
     torch.manual_seed(3)
     random.seed(3)
     before = (torch.get_rng_state(), random.getstate())
-    facts = observe.batch_facts(rows, pad)
+    facts = loaders.batch_facts(rows, pad)
     assert sorted(facts) == ["attention_mask", "input_ids"] and facts["input_ids"].startswith("int64[3,9] ")
-    assert observe.batch_facts(rows, lambda s: pad(s, noise=True)) == observe.batch_facts(rows, lambda s: pad(s, noise=True))
+    assert loaders.batch_facts(rows, lambda s: pad(s, noise=True)) == loaders.batch_facts(rows, lambda s: pad(s, noise=True))
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
-    no_eos = observe.batch_facts(rows, lambda s: pad(s, eos=False))
+    no_eos = loaders.batch_facts(rows, lambda s: pad(s, eos=False))
     assert no_eos["input_ids"].startswith("int64[3,8] ") and no_eos != facts
     # Without automatic batching (batch_size=None) the collate sees one sample at a time.
-    assert sorted(observe.batch_facts(rows, lambda row: torch.tensor(row["ids"]), auto_collation=False)) == ["[0]", "[1]", "[2]"]
-    assert observe.batch_facts(rows, lambda s: 1 / 0) == {} and observe.batch_facts(range(0), pad) == {}
+    assert sorted(loaders.batch_facts(rows, lambda row: torch.tensor(row["ids"]), auto_collation=False)) == ["[0]", "[1]", "[2]"]
+    assert loaders.batch_facts(rows, lambda s: 1 / 0) == {} and loaders.batch_facts(range(0), pad) == {}
     # The dataset digest reads a UserDict's contents too (it used to hash BatchEncoding samples by type only).
     encoded = [BatchEncoding({"input_ids": [i, i + 1]}) for i in range(3)]
-    assert observe.dataset_digest(encoded) != observe.dataset_digest([BatchEncoding({"input_ids": [i, 7]}) for i in range(3)])
+    assert loaders.dataset_digest(encoded) != loaders.dataset_digest([BatchEncoding({"input_ids": [i, 7]}) for i in range(3)])
 
 
 def test_a_loaders_first_fetch_records_its_batch_facts():
