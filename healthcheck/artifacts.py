@@ -319,6 +319,14 @@ class ShardedEvidence(Record):
     optimizer_checks: list[tuple[int, list[dict[str, Any]]]] = Field(
         default_factory=list, description="(step, each rank's optimizer settings and step count) at every check."
     )
+    shard_index: list[int] = Field(
+        default_factory=list,
+        description="HSDP: each rank's coordinate on the mesh's shard dimension (ranks with the same one are replicas "
+        "of one shard); empty on a one-dimensional mesh.",
+    )
+    end_local_hashes: list[list[int]] = Field(
+        default_factory=list, description="HSDP: bit hashes of each rank's own shard of every parameter after the last step."
+    )
 
 
 class ReplayDifference(Record):

@@ -98,7 +98,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     sharded = config.distributed.strategy == "fsdp" or any("fsdp.mp_policy" in e.extra for e in per_rank)
     outcomes["reduction_numerics"] = reduction_audit(
         checked, world, _common_fact(per_rank, "ddp.comm_hook", ""), _common_fact(per_rank, "model_dtype", "float32"),
-        _common_fact(per_rank, "ddp.comm_hook_state", ""), "reduce-scattered" if sharded else "all-reduced",
+        _common_fact(per_rank, "ddp.comm_hook_state", ""), _collective(sharded, _common_fact(per_rank, "fsdp.mesh", "")),
     )
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
@@ -146,7 +146,10 @@ def parameter_outcomes(
         return {"param_equality": param_equality_audit(checks, names, drift)}
     return {
         "param_equality": not_measured(
-            "parameters are sharded (FSDP2): each shard has one owner, so there are no "
+            "parameters are sharded (HSDP): sharded_state compares each shard's replicas after the last step, and "
+            "what every rank must share"
+            if sharded.shard_index
+            else "parameters are sharded (FSDP2): each shard has one owner, so there are no "
             "replicas to compare; sharded_state checks what every rank must share"
         ),
         "sharded_state": sharded_state_audit(
@@ -158,6 +161,8 @@ def parameter_outcomes(
             names,
             sharded.pre_shard_hashes,
             sharded.pre_shard_names,
+            sharded.shard_index,
+            sharded.end_local_hashes,
         ),
     }
 
@@ -333,6 +338,14 @@ def _shards_read(consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]]
     epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
     plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs, drop_last=first.drop_last)
     return data_shard_audit(consumed, plan)
+
+
+def _collective(sharded: bool, mesh: str) -> str:
+    """How the checked gradient was reduced, for the reduction audit's message: under HSDP the check compares each
+    shard group's reduce-scatter (the replicas' all-reduce comes after it, unchecked)."""
+    if not sharded:
+        return "all-reduced"
+    return "reduce-scattered (per HSDP shard group)" if mesh.startswith("replicate") else "reduce-scattered"
 
 
 def _common_fact(per_rank: Sequence[RankEvidence], key: str, default: str) -> str:

@@ -29,6 +29,8 @@ def sharded_state_audit(
     names: Sequence[str],
     pre_shard_hashes: Sequence[Sequence[int]] = (),
     pre_shard_names: Sequence[str] = (),
+    shard_index: Sequence[int] = (),
+    end_local_hashes: Sequence[Sequence[int]] = (),
 ) -> AuditOutcome:
     """Sharding plan, all-gathered parameters and optimizer: the same on every rank?"""
     world = len(plans)
@@ -54,6 +56,8 @@ def sharded_state_audit(
             tuple(odd),
             details,
         )
+    if shard_index and (diverged := _replicas_diverged(shard_index, end_local_hashes, names, details)) is not None:
+        return diverged
     for when, table in (("after sharding", start_hashes), ("after the last step", end_hashes)):
         if (split := _hash_split(table, names)) is not None:
             groups, odd, tensor = split
@@ -69,11 +73,12 @@ def sharded_state_audit(
         groups = group_ranks([json.dumps(f, sort_keys=True) for f in facts])
         if len(groups) > 1:
             odd = odd_ones_out(groups)
-            majority = facts[groups[0][0]]
-            path, theirs, ours = first_difference(facts[odd[0]], majority)
+            # Against the largest group; with no majority (two ranks, one each) the first other group is the odd one.
+            path, theirs, ours = first_difference(facts[groups[1][0]], facts[groups[0][0]])
+            who = ranks_phrase(groups[1]) if len(odd) == len(facts) else ranks_phrase(odd)
             return AuditOutcome(
                 False,
-                f"{ranks_phrase(odd)}'s optimizer differs at step {step}: {path} {theirs} ({ranks_phrase(groups[0])}: {ours})",
+                f"{who}'s optimizer differs at step {step}: {path} {theirs} ({ranks_phrase(groups[0])}: {ours})",
                 f"optimizer {partition_signature(groups)}",
                 tuple(odd),
                 details,
@@ -83,12 +88,46 @@ def sharded_state_audit(
         True,
         f"{ranks_phrase(range(world))} agree on the sharding plan ({plan_tensors} tensors), "
         f"{'the weights before sharding, ' if pre_shard_hashes else ''}the "
-        f"all-gathered parameters after sharding and after the last step, and the optimizer at "
-        f"{checks} check{'s' if checks != 1 else ''}",
+        f"all-gathered parameters after sharding and after the last step, "
+        f"{'the replicas of each shard (HSDP), ' if shard_index else ''}and the optimizer at {checks} check{'s' if checks != 1 else ''}",
         "agreed",
         (),
         details,
     )
+
+
+def _replicas_diverged(
+    shard_index: Sequence[int], local_hashes: Sequence[Sequence[int]], names: Sequence[str], details: dict[str, Any]
+) -> Optional[AuditOutcome]:
+    """HSDP: the first shard whose replicas' slices differ after the last step, naming the ranks that hold it.
+
+    >>> outcome = _replicas_diverged([0, 1, 0, 1, 0, 1], [[5, 6], [7, 8], [5, 6], [7, 8], [5, 6], [7, 9]], ["a", "b"], {})
+    >>> outcome.ranks, outcome.message.split(";")[0]
+    ((5,), "rank 5's slice of b differs from its replicas' (ranks 1, 3, the same shard 1) after the last step")
+    >>> _replicas_diverged([0, 1, 0, 1], [[5, 6], [7, 8], [5, 6], [7, 9]], ["a", "b"], {}).message.split(";")[0]
+    'ranks 1, 3 hold the same shard (1) but their slices of b differ after the last step'
+    """
+    for shard in sorted(set(shard_index)):
+        holders = [rank for rank, index in enumerate(shard_index) if index == shard]
+        split = _hash_split([local_hashes[rank] for rank in holders], names)
+        if split is None:
+            continue
+        groups, odd, tensor = split
+        groups, odd = [[holders[i] for i in group] for group in groups], [holders[i] for i in odd]
+        if len(odd) < len(holders):
+            what = (f"{ranks_phrase(odd)}'s slice of {tensor} differs from its replicas' "
+                    f"({ranks_phrase(groups[0])}, the same shard {shard}) after the last step")
+        else:
+            what = f"{ranks_phrase(holders)} hold the same shard ({shard}) but their slices of {tensor} differ after the last step"
+        return AuditOutcome(
+            False,
+            f"{what}; HSDP replicas must stay bit-identical (a rank that computed or wrote an update wrong, or stepped "
+            "its replica otherwise)" + ("" if len(odd) < len(holders) else ": with no majority, either may be the odd one"),
+            f"replicas of shard {shard} {partition_signature(groups)}",
+            tuple(odd),
+            details,
+        )
+    return None
 
 
 def _hash_split(table: Sequence[Sequence[int]], names: Sequence[str]) -> Optional[tuple[list[list[int]], list[int], str]]:

@@ -89,9 +89,12 @@ class AuditRecorder:
     def record_rng(self, when: str, device: Any) -> None:
         self.rng[when] = rng_state_hashes(device)
 
-    def after_optimizer_step(self, step: int) -> None:
-        """Collective on check steps (every rank runs the same steps, so every rank joins)."""
+    def after_optimizer_step(self, step: int, optimizer: Any = None) -> None:
+        """Collective on check steps (every rank runs the same steps, so every rank joins). ``optimizer``: the one
+        that stepped, where nobody handed it to :meth:`watch_optimizer` before (a script's)."""
         self.last_step = step
+        if optimizer is not None and self.sharded is not None and self.sharded.optimizer is None:
+            self.watch_optimizer(optimizer)
         if step % self.param_check_every == 0:
             self._check_params(step)
 

@@ -63,6 +63,7 @@ def group_settings(root: Any) -> dict[str, str]:
             ("fsdp.reduce_dtype", str(policy.reduce_dtype)),
             ("fsdp.offload_policy", type(group.offload_policy).__name__),
             ("fsdp.reshard_after_forward", str(group.post_forward_mesh_info is not None)),
+            ("fsdp.mesh", mesh_layout(group.mesh_info)),
         ):
             facts.setdefault(name, set()).add(value)
     return {name: " | ".join(sorted(values)) for name, values in facts.items()}
@@ -77,16 +78,33 @@ def gradient_sync(root: Any) -> str:
     return "off" if not any(flags) else f"on for {sum(flags)} of {len(flags)} groups"
 
 
+def mesh_layout(mesh_info: Any) -> str:
+    """``shard 4``, or ``replicate 2 x shard 4`` under HSDP: how a parameter group spreads over the ranks."""
+    shard = f"shard {mesh_info.shard_mesh_size}"
+    replicate = getattr(mesh_info, "replicate_mesh_size", None)
+    return f"replicate {replicate} x {shard}" if replicate_group_of(mesh_info) is not None and replicate else shard
+
+
+def replicate_group_of(mesh_info: Any) -> Any:
+    return getattr(mesh_info, "replicate_process_group", None)
+
+
 def root_facts(root: Any) -> dict[str, str]:
     """The sharding settings every rank must share, for the environment audit: each distinct mixed
     precision policy, offload policy and reshard-after-forward choice over the model's parameter groups."""
     settings = group_settings(root)
-    return {name: settings.get(name, "?") for name in ("fsdp.mp_policy", "fsdp.offload_policy", "fsdp.reshard_after_forward")}
+    return {name: settings.get(name, "?") for name in ("fsdp.mp_policy", "fsdp.offload_policy", "fsdp.reshard_after_forward", "fsdp.mesh")}
 
 
 def reduce_scatter_group(param_group: Any) -> Any:
     """The process group a parameter group reduce-scatters over."""
     return param_group._reduce_scatter_process_group
+
+
+def replicate_group(param_group: Any) -> Any:
+    """HSDP: the process group a parameter group all-reduces its reduce-scattered shard over (its replicas); None
+    for a mesh of one dimension."""
+    return replicate_group_of(param_group.mesh_info)
 
 
 def install(module: Any, state: Any, param_group: Any, comm: Any) -> Any:
@@ -105,7 +123,8 @@ def restore(param_group: Any, inner: Any) -> None:
 
 def true_gradient_scale(param_group: Any, group: Any, input_tensor: Any, op: Any) -> tuple[float, float]:
     """``(pre, sum_scale)``: the comm input times ``pre`` is this rank's true local gradient, and the
-    reduce-scatter output times ``sum_scale`` is the sum of every rank's local gradient on this shard.
+    reduce-scatter output times ``sum_scale`` is the sum of every rank's local gradient on this shard (of the
+    shard group's ranks, under HSDP: the replicas' all-reduce comes after).
 
     Recomputed with FSDP's own function from the group's settings, and checked against the op FSDP
     passed: if they disagree, FSDP changed under us and the scale cannot be trusted.
@@ -115,7 +134,7 @@ def true_gradient_scale(param_group: Any, group: Any, input_tensor: Any, op: Any
 
     pre, _, expected, _ = _get_gradient_divide_factors(
         group,
-        None,
+        replicate_group(param_group),  # HSDP divides by every replica's ranks too
         input_tensor.dtype,
         input_tensor.device.type,
         param_group.gradient_divide_factor,

@@ -26,6 +26,12 @@ micro-batches need them) and computes the Gram in ``end_step``. Without it, a se
 The reduction check (``reduction_every``) compares each rank's reduce-scattered shard with the float64
 mean of the slices the all-to-all brought (exact mode has them; sketch mode exchanges on check steps).
 
+HSDP (a replicate x shard mesh). A reduce-scatter spans one shard group, and its output is that group's mean; the
+replicas all-reduce it afterwards. Sketch mode gathers the step from every rank of the job, keeps the exact local
+norms, and reads ‖ḡ‖²'s cross terms off the sketches (``from_gram="mean"``); exact mode is refused (the
+cross-replica dot products would need a gradient-sized exchange). The reduction check covers each shard group's
+reduce-scatter.
+
 Step time. Every all-gather and reduce-scatter is timed, and the waits travel with the step's numbers:
 ``busy_ms`` is the ranks' median own work plus the time the others waited for this rank alone
 (:mod:`healthcheck.measure.lateness`), the ``late_ms`` extra. On a CPU host, as under DDP, own work leaves
@@ -68,7 +74,8 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
 
     Raises:
         TypeError: ``model`` has no FSDP2 parameter group.
-        ValueError: One rank (FSDP2 then never reduce-scatters), HSDP, or groups over different ranks.
+        ValueError: One rank (FSDP2 then never reduce-scatters), HSDP in exact mode or over part of the job, or groups
+            over different ranks.
     """
 
     gradient_source = "reduce_scatter"
@@ -98,17 +105,15 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         if not groups:
             raise TypeError("WorkerConsistencyMonitor: the FSDP2 module has no parameter group to monitor")
         reduce_groups = [fsdp_internals.reduce_scatter_group(param_group) for _, _, param_group in groups]
-        if any(hasattr(param_group.mesh_info, "replicate_process_group") for _, _, param_group in groups):
-            raise ValueError(
-                "WorkerConsistencyMonitor: HSDP (a replicate x shard mesh) is not supported: the "
-                "reduce-scatter sees only the shard group's ranks"
-            )
-        group = process_group if process_group is not None else reduce_groups[0]
         ranks = {tuple(distributed.group_ranks(g)) for g in reduce_groups}
         if len(ranks) > 1:
             raise ValueError("WorkerConsistencyMonitor: FSDP2 parameter groups reduce-scatter over different ranks")
+        self.replicas = _replicas(groups, direction, len(next(iter(ranks))))
+        # HSDP: the step's numbers are gathered from every replica's ranks (the whole job), not the shard group's.
+        group = process_group if process_group is not None else (None if self.replicas > 1 else reduce_groups[0])
         if distributed.world_size(group) < 2:
             raise ValueError("WorkerConsistencyMonitor: FSDP2 on one rank never reduce-scatters; there is nothing to compare")
+        self._shard_world = distributed.world_size(reduce_groups[0])  #: the ranks one reduce-scatter spans
         super().__init__(
             direction=direction,
             sketch_dim=sketch_dim,
@@ -203,7 +208,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         self._waited_at_arrival = self._wait_clock.total
         if self._on_host:
             self._read_host_clock()
-        index, world = comm.index, self._world
+        index, world = comm.index, self._shard_world
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         if calls > 1 and self.direction == "exact" and not self.every_microbatch:
             # Invalid input, not a crash: the training loop and the mode do not fit, and either can change.
@@ -221,8 +226,9 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)  # the real reduce-scatter
         keep = fsdp_internals.keep_for_default_stream
         self._sqnorm[index] = keep(sqnorm_fp32(local) * (pre * pre))
-        mean_shard = output.to(torch.float32) * (sum_scale / world)  # ḡ on this rank's shard
-        self._mean_sqnorm[index] = keep(sqnorm_fp32(mean_shard))
+        # Under HSDP this shard's mean is its shard group's, not the job's: ‖ḡ‖² comes from the sketches instead.
+        mean_shard = output.to(torch.float32) * (sum_scale / world) if self.replicas == 1 else None  # ḡ on this shard
+        self._mean_sqnorm[index] = keep(sqnorm_fp32(mean_shard)) if mean_shard is not None else 0.0
         if self.direction == "sketch":
             assert self._sketcher is not None
             # Re-salted per step: the estimates' errors are independent from step to step.
@@ -274,7 +280,8 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
     def _sketch_gram_use(self) -> str:
         # One reduce-scatter per group: exact norms, the cosine to the mean from the sketch. Several (per
         # micro-batch): only the sketches describe the accumulated gradient, so everything comes from them.
-        return "all" if self._multi_call() else "cosine"
+        # HSDP: each rank's shard mean is its shard group's, so ‖ḡ‖² is read off the sketches too (exact norms kept).
+        return "all" if self._multi_call() else ("mean" if self.replicas > 1 else "cosine")
 
     def _exact_pieces(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any], indices: list[int], checking: bool) -> InFlight:
         import torch
@@ -300,7 +307,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         import torch
 
         sums = torch.stack([self._reduction[index] for index in indices]).sum(0)
-        return reduction_error(sums.cpu().tolist(), self._world, self._roundoff)
+        return reduction_error(sums.cpu().tolist(), self._shard_world, self._roundoff)
 
     def _clear_partials(self) -> None:
         super()._clear_partials()
@@ -317,3 +324,24 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         for param_group, gather in self._gathers:
             fsdp_internals.restore_all_gather(param_group, gather.inner)
         self._comms, self._gathers = [], []
+
+
+def _replicas(groups: list[Any], direction: str, shard_ranks: int) -> int:
+    """HSDP's replica count (1 for a one-dimensional mesh); raises ValueError where it cannot be monitored."""
+    replicate = {tuple(distributed.group_ranks(g)) if g is not None else () for g in
+                 (fsdp_internals.replicate_group(param_group) for _, _, param_group in groups)}
+    if replicate == {()}:
+        return 1
+    if len(replicate) > 1:
+        raise ValueError("WorkerConsistencyMonitor: FSDP2 parameter groups all-reduce over different replicas (HSDP)")
+    replicas = len(next(iter(replicate)))
+    if direction == "exact":
+        raise ValueError(
+            "WorkerConsistencyMonitor: HSDP (a replicate x shard mesh) and exact mode: a rank's reduce-scatter sees only "
+            "its shard group's gradients, so the cross-replica dot products would need a gradient-sized exchange; use "
+            "metrics.direction=sketch"
+        )
+    if replicas * shard_ranks != distributed.world_size():
+        raise ValueError(f"WorkerConsistencyMonitor: HSDP over {replicas} x {shard_ranks} ranks of a job of "
+                         f"{distributed.world_size()}: a probe measures the whole job's data parallelism")
+    return replicas

@@ -8,7 +8,10 @@ parameter-equality audit) does not exist. What must still hold on every rank:
   on-device bit hash per tensor, of ``full_tensor()``: one all-gather of the model at each end);
 * the same optimizer: learning rate and the other hyperparameters of every parameter group, and the step
   count, on every check step. A rank that steps its shards with another learning rate corrupts the one
-  model everyone trains, and nothing else in the run would notice.
+  model everyone trains, and nothing else in the run would notice;
+* under HSDP (a replicate x shard mesh), the same shard on every replica: ranks with the same coordinate on the
+  shard dimension hold the same slices, compared bit for bit after the last step (:func:`replica_facts`). The
+  all-gathered parameters only tell that one shard group differs from another; this names the ranks.
 """
 
 from __future__ import annotations
@@ -44,6 +47,20 @@ def full_parameter_hashes(model: Any) -> list[int]:
     if not hashes:
         return []
     return [int(h) for h in torch.stack(hashes).cpu().tolist()]
+
+
+def replica_facts(model: Any) -> tuple[int, list[int]]:
+    """HSDP: this rank's coordinate on the mesh's shard dimension (the last: FSDP2 shards over it and replicates
+    over the first) and the bit hash of its own slice of every parameter; ``(-1, [])`` on a one-dimensional mesh."""
+    import torch
+
+    params = [param for _, param in model.named_parameters()]
+    mesh = getattr(params[0], "device_mesh", None) if params else None
+    if mesh is None or mesh.ndim < 2:
+        return -1, []
+    coordinate = mesh.get_coordinate()
+    hashes = [tensor_bit_hash(param.to_local().detach()) for param in params]
+    return int(coordinate[-1]), [int(h) for h in torch.stack(hashes).cpu().tolist()]
 
 
 def unsharded_weight_hashes(module: Any) -> list[tuple[str, int]]:
@@ -99,5 +116,10 @@ class ShardedStateRecorder:
         self.evidence.optimizer_checks.append((step, facts))
 
     def finish(self) -> ShardedEvidence:
-        self.evidence.end_hashes = [list(h) for h in hdist.all_gather_objects(full_parameter_hashes(self.model))]
+        mine = {"full": full_parameter_hashes(self.model), "replica": replica_facts(self.model)}
+        everyone = hdist.all_gather_objects(mine)
+        self.evidence.end_hashes = [list(e["full"]) for e in everyone]
+        if everyone[0]["replica"][0] >= 0:
+            self.evidence.shard_index = [e["replica"][0] for e in everyone]
+            self.evidence.end_local_hashes = [list(e["replica"][1]) for e in everyone]
         return self.evidence

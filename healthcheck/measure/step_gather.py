@@ -47,7 +47,8 @@ class InFlight:
     buckets: int
     sketch_dim: int = 0  #: sketch mode: the sketch's length (its fp32 bits follow the header)
     #: What is read off the Gram besides the pairwise cosines: "" nothing (exact dots and norms in the
-    #: header), "cosine" the cosine to the mean (norms stay exact), "all" norms, dots and ‖ḡ‖² too.
+    #: header), "cosine" the cosine to the mean (norms stay exact), "mean" that and ‖ḡ‖²'s cross terms
+    #: (:func:`mean_sqnorm_from_sketches`), "all" norms, dots and ‖ḡ‖² too.
     from_gram: str = ""
     source: Any = None  #: this rank's packed vector, kept alive while the collective may still read it
     #: ``rows`` came in a gradient all-reduce, in :func:`carried_row`'s layout (decoded by :func:`complete`).
@@ -332,6 +333,20 @@ def dots_from_sketch_cosines(gram: Any, sqnorms: list[float], mean_sq: float) ->
     return out
 
 
+def mean_sqnorm_from_sketches(gram: Any, sqnorms: list[float]) -> float:
+    """‖ḡ‖² = (1/N²) Σ_ij ⟨g_i, g_j⟩ with the exact ‖g_i‖² on the diagonal and the sketches' unbiased estimates
+    of the cross terms: where no rank holds a part of the reduced mean (HSDP: a shard group's mean is not the
+    job's), the mean's norm is an estimate, with the sketch's error bound on the cross terms only.
+
+    >>> mean_sqnorm_from_sketches([[4.1, 1.0], [1.0, 3.9]], [4.0, 4.0])  # (4 + 4 + 2 * 1) / 4
+    2.5
+    """
+    rows = [list(row) for row in gram]
+    n = len(rows)
+    cross = fsum(rows[i][j] for i in range(n) for j in range(n) if i != j)
+    return (fsum(sqnorms) + cross) / (n * n)
+
+
 def finished_within(inflight: InFlight, timeout_s: float) -> bool:
     """Whether the gather has finished, waiting at most ``timeout_s`` (polling: a peer may be gone for good)."""
     if inflight.staged is not None:
@@ -381,8 +396,8 @@ def complete(inflight: InFlight) -> StepMetrics:
     else:
         sqnorms, dots = column("sqnorm"), column("dot")
         # Each rank measured ‖ḡ‖² over its own part of the reduced mean (a slice, or its FSDP shard).
-        mean_sq = fsum(column("mean_sqnorm"))
-        if inflight.from_gram == "cosine":
+        mean_sq = mean_sqnorm_from_sketches(gram_rows, sqnorms) if inflight.from_gram == "mean" else fsum(column("mean_sqnorm"))
+        if inflight.from_gram in ("cosine", "mean"):
             dots = dots_from_sketch_cosines(gram_rows, sqnorms, mean_sq)
     tokens = column("tokens")
     return compute_step_metrics(

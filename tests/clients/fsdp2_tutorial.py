@@ -25,7 +25,11 @@ copy of the checkpoint differs in one tensor (a stale file on one node), which F
 it in the logging ``all_reduce``, not in FSDP2's collectives. ``accum-rank=R``: rank R accumulates one micro-batch more
 per update than ``--accum`` (a per-node ``gradient_accumulation_steps``): its extra forward all-gathers while the
 others step, which no FSDP2 collective pairs with. ``no-zero-grad-rank=R``: rank R never clears its gradients, so
-FSDP2 adds each step's reduce-scattered gradient to its shard's previous one.
+FSDP2 adds each step's reduce-scattered gradient to its shard's previous one. ``drift-rank=R``: after the 2nd update,
+rank R's slice of ``lm_head.weight`` moves by 1e-3 (a device that wrote one update wrong); under plain FSDP2 it owns
+that slice alone, under HSDP (``--hsdp R``: R replicas of a shard group, torchtitan's ``data_parallel_replicate_degree``)
+a rank of another replica holds the same slice. ``warmup-rank=R``: rank R warms its learning rate up over twice
+``--warmup`` steps (a per-node schedule config): every rank starts at 0, so the first step's settings agree.
 """
 
 import argparse
@@ -37,6 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -103,10 +108,13 @@ def main():
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amp-scale", type=float, default=0.0)
     ap.add_argument("--loss-times", type=float, default=1.0, help="every rank's loss (so every gradient) times this")
+    ap.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warmup from 0 over this many steps (LambdaLR)")
+    ap.add_argument("--hsdp", type=int, default=0, metavar="R",
+                    help="HSDP: a (R replicas x world/R shards) device mesh, as torchtitan's data_parallel_replicate_degree")
     ap.add_argument("--reduce-dtype", choices=("fp16", "bf16"), default=None,
                     help="MixedPrecisionPolicy(reduce_dtype=...): FSDP2 reduce-scatters the gradients in this dtype")
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
-                    "slow-rank=R, accum-rank=R, no-zero-grad-rank=R")
+                    "slow-rank=R, accum-rank=R, no-zero-grad-rank=R, drift-rank=R, warmup-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -125,13 +133,19 @@ def main():
         policy = {"param_dtype": fp32} if mixed else {}
         if args.reduce_dtype:
             policy["reduce_dtype"] = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.reduce_dtype]
-        model = shard(model, **({"mp_policy": MixedPrecisionPolicy(**policy)} if policy else {}))
+        kwargs = {"mp_policy": MixedPrecisionPolicy(**policy)} if policy else {}
+        if args.hsdp:
+            world = dist.get_world_size()
+            kwargs["mesh"] = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
+        model = shard(model, **kwargs)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
     sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    warmup = args.warmup * (2 if bugs.get("warmup-rank") == rank else 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup)) if warmup else None
     loss_scale = (2.0 if bugs.get("loss-x2-rank") == rank else 1.0) * args.loss_times
     # --amp-scale S: PyTorch's AMP recipe, fp16 autocast and a GradScaler starting at S (0: neither).
     scaler = torch.amp.GradScaler("cpu", init_scale=args.amp_scale) if args.amp_scale else None
@@ -173,8 +187,14 @@ def main():
                 scaler.update()
             else:
                 optimizer.step()
+            if scheduler:
+                scheduler.step()
             if bugs.get("no-zero-grad-rank") != rank:
                 optimizer.zero_grad()
+            if bugs.get("drift-rank") == rank and step == 1:
+                with torch.no_grad():  # this rank's slice of one weight, off after the 2nd update: a device that wrote it wrong
+                    weight = model.lm_head.weight
+                    (weight.to_local() if hasattr(weight, "to_local") else weight).add_(1e-3)
             if bugs.get("slow-rank") == rank:
                 time.sleep(0.05)
             dist.all_reduce(stats)

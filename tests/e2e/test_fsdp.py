@@ -35,6 +35,7 @@ def runs(tiny_llama, tmp_path_factory):  # noqa: F811
         "ddp": _probe(tmp, tiny_llama, "ddp", direction="exact", script_args=("--wrap", "ddp")),
         "fsdp": _probe(tmp, tiny_llama, "fsdp", direction="exact", script_args=()),
         "fsdp-sketch": _probe(tmp, tiny_llama, "fsdp-sketch", direction="sketch", script_args=("--sync-every-microbatch",)),
+        "hsdp": _probe(tmp, tiny_llama, "hsdp", direction="sketch", script_args=("--hsdp", "2")),
     }
 
 
@@ -42,7 +43,7 @@ def _by_step_rank(out: Path) -> dict[tuple[int, int], dict]:
     return {(row["step"], row["rank"]): row for row in read_rows(out / "steps.jsonl")}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-sketch"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-sketch", "hsdp"])
 def test_the_fsdp2_script_runs_unmodified_and_passes_its_audits(runs, name):
     out, done = runs[name]
     assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -56,6 +57,9 @@ def test_the_fsdp2_script_runs_unmodified_and_passes_its_audits(runs, name):
         # No replicas under FSDP2: the sharded-state audit compares what the ranks must share instead.
         assert audits["sharded_state"]["measured"] and not audits["param_equality"]["measured"]
         assert audits["environment"]["passed"]
+        # The optimizer is compared on check steps in script mode too (before: "the optimizer at 0 checks").
+        assert "the optimizer at 2 checks" in audits["sharded_state"]["message"], audits["sharded_state"]["message"]
+        assert ("the replicas of each shard (HSDP)" in audits["sharded_state"]["message"]) == (name == "hsdp")
 
 
 def test_exact_metrics_under_fsdp2_equal_the_same_loop_under_ddp(runs):
@@ -75,6 +79,62 @@ def test_sketch_mode_follows_a_reduce_scatter_per_microbatch(runs):
     for key, row in sketch.items():
         assert row["grad_norm"] == pytest.approx(ddp[key]["grad_norm"], rel=bound), key
         assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=bound), key
+
+
+def test_hsdp_measures_every_rank_of_every_replica(runs):
+    # HSDP (2 replicas x 2 shards): each reduce-scatter spans one shard group, and its output is that group's mean,
+    # not the job's. The monitor gathers from all 4 ranks; the local norms stay exact (the same as the same loop
+    # under DDP), and ‖ḡ‖² takes its cross terms from the sketches, so the cosines and the mean's norm are estimates
+    # within the sketch's bound. Before, HSDP was refused ("not supported").
+    hsdp, ddp = _by_step_rank(runs["hsdp"][0]), _by_step_rank(runs["ddp"][0])
+    assert set(hsdp) == set(ddp) == {(s, r) for s in range(STEPS) for r in range(4)}
+    bound = 4 * math.sqrt(2 / 4096)
+    for key, row in hsdp.items():
+        assert row["loss"] == pytest.approx(ddp[key]["loss"], rel=1e-6), key
+        assert row["grad_norm"] == pytest.approx(ddp[key]["grad_norm"], rel=1e-5), key
+        assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=bound), key
+    mean = {r["step"]: r["mean_grad_norm"] for r in read_rows(runs["hsdp"][0] / "aggregates.jsonl")}
+    exact = {r["step"]: r["mean_grad_norm"] for r in read_rows(runs["ddp"][0] / "aggregates.jsonl")}
+    assert all(mean[s] == pytest.approx(exact[s], rel=bound) for s in range(STEPS)), (mean, exact)
+    audits = json.loads((runs["hsdp"][0] / "result.json").read_text())["audits"]
+    assert "reduce-scattered (per HSDP shard group)" in audits["reduction_numerics"]["message"]
+
+
+@pytest.mark.parametrize("drifter, partner", [(2, 0), (1, 3)])
+def test_an_hsdp_replica_that_drifts_is_named_with_its_partner(drifter, partner, tiny_llama, tmp_path):  # noqa: F811
+    # After the 2nd update one rank's slice of lm_head.weight moves by 1e-3 (a device that wrote an update wrong).
+    # Its replica in the other shard group holds the same slice: the two are named, at the shard they share. The
+    # all-gathered parameters alone said only "ranks 0-3 differ" (two shard groups, no majority).
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               script_args=("--hsdp", "2", "--bug", f"drift-rank={drifter}")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.sharded_state": sorted([drifter, partner])}, failed_ranks(out)
+    message = json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
+    assert message.startswith(f"ranks {min(drifter, partner)}, {max(drifter, partner)} hold the same shard ({drifter % 2}) "
+                              "but their slices of lm_head.weight differ after the last step"), message
+
+
+def test_exact_mode_under_hsdp_is_a_clear_input_error(tiny_llama, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                               extra=("--set", "metrics.direction=exact"), script_args=("--hsdp", "2")))
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("healthcheck: error: metrics: WorkerConsistencyMonitor: HSDP") and "metrics.direction=sketch" in error
+
+
+def test_a_rank_whose_learning_rate_schedule_differs_is_named_under_fsdp2(tiny_llama, tmp_path):  # noqa: F811
+    # Rank 1 warms up over 8 steps, the others over 4: every rank starts at lr 0, so the first step's settings agree,
+    # and under FSDP2 no replica shows the difference. The optimizer, compared on the last step, does. Before,
+    # script mode never compared it (sharded_state said "the optimizer at 0 checks") and the probe passed.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               script_args=("--warmup", "4", "--bug", "warmup-rank=1")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.sharded_state": [1]}, failed_ranks(out)
+    message = json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
+    assert message == f"rank 1's optimizer differs at step {STEPS - 1}: param_groups.0.lr 0.000375 (ranks 0, 2-3: 0.00075)", message
 
 
 def test_stale_weights_own_clipping_and_a_slow_logger_are_each_named_at_their_rank(tiny_llama, tmp_path):  # noqa: F811

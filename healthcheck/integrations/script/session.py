@@ -315,7 +315,7 @@ class ScriptSession:
         self.updates.settle()
         assert self.audit is not None
         step = self.steps_done
-        self.audit.after_optimizer_step(step)  # collective on parameter-check steps
+        self.audit.after_optimizer_step(step, optimizer)  # collective on parameter-check steps (FSDP2: its settings)
         if self.audit.checked_at(step):  # every rank holds the same hash table: the same decision
             self.fail_fast.judge(
                 step,
