@@ -42,6 +42,12 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         help="probe this training script, unmodified, instead of the built-in trainer (the config's script.path); "
         "its own arguments follow --",
     )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="--script names a module, run as `python -m NAME` runs it (as torchrun's -m; the config's script.module)",
+    )
 
 
 #: Subcommands that take a script's arguments after ``--``.
@@ -64,13 +70,15 @@ def _load(args: argparse.Namespace) -> Any:
     """The config of a command with --config/--set/--script (and the script's arguments)."""
     from healthcheck.config import load_config
 
-    return load_config(args.config, args.sets, script=args.script, script_args=args.script_args)
+    if args.module and args.script is None:
+        raise InvalidInput("-m/--module makes --script's value a module's name; give --script NAME -m")
+    return load_config(args.config, args.sets, script=args.script, script_args=args.script_args, module=args.module)
 
 
 def _record_hint(args: argparse.Namespace) -> str:
     from healthcheck.judge.baseline import record_command
 
-    return record_command(args.config, args.sets, args.script, args.script_args)
+    return record_command(args.config, args.sets, args.script, args.script_args, module=args.module)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +238,7 @@ def cmd_config(args) -> int:
 
         config = _load(args)
         preflight(config)
-        what = f" (script {config.script.path})" if config.script else ""
+        what = f" (script {config.script.target})" if config.script else ""
         print(f"config OK: probe {config.name!r}, {config.distributed.nproc} workers{what}, fingerprint {config.fingerprint()}")
     else:
         print(dump_yaml(_load(args)), end="")

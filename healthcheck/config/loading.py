@@ -73,9 +73,10 @@ def load_config(
     *,
     script: Optional[str] = None,
     script_args: Optional[list[str]] = None,
+    module: bool = False,
 ) -> ProbeConfig:
-    """Load the config file (or the embedded default), apply ``--set`` overrides, then ``--script PATH``
-    and the script's arguments (what follows ``--``), and validate once."""
+    """Load the config file (or the embedded default), apply ``--set`` overrides, then ``--script PATH`` (a module's
+    name with ``module``: ``--script NAME -m``) and the script's arguments (what follows ``--``), and validate once."""
     source = str(path) if path else "default config"
     data = read_yaml_mapping(Path(path)) if path else {}
     for expr in sets:
@@ -86,8 +87,9 @@ def load_config(
         section = data.get("script")
         section = dict(section) if isinstance(section, dict) else {}
         if script is not None:
-            section["path"] = script
-            source += f" (with --script {script})"
+            section.pop("module" if not module else "path", None)  # the command line's choice replaces the file's
+            section["module" if module else "path"] = script
+            source += f" (with --script {script}{' -m' if module else ''})"
         if script_args is not None:
             section["args"] = list(script_args)
         data["script"] = section

@@ -334,6 +334,7 @@ def record_command(
     script: Optional[str] = None,
     script_args: Optional[Sequence[str]] = None,
     repeats: int = 5,
+    module: bool = False,
 ) -> str:
     """The command that records a baseline for the probe the user ran, with their own arguments, ready to copy.
 
@@ -348,7 +349,7 @@ def record_command(
     for expr in sets:
         parts += ["--set", expr]
     if script:
-        parts += ["--script", script]
+        parts += ["--script", script, *(["-m"] if module else [])]
     parts += ["--repeats", str(repeats)]
     if script_args:
         parts += ["--", *script_args]

@@ -167,23 +167,25 @@ def _subject_mismatch(result: RunResult, baseline: Baseline) -> Optional[str]:
     scripts of different file names (the same name in another directory is the same script checked out elsewhere).
 
     >>> from types import SimpleNamespace as NS
-    >>> run = NS(config=NS(script=NS(path="jobs/train.py")))
+    >>> run = NS(config=NS(script=NS(path="jobs/train.py", module=None)))
     >>> _subject_mismatch(run, NS(config={"script": None}))
     'baseline was recorded for the built-in probe, this run probes the script train.py'
     >>> _subject_mismatch(run, NS(config={"script": {"path": "/ci/checkout/jobs/train.py"}})) is None
     True
+    >>> _subject_mismatch(NS(config=NS(script=NS(path=None, module="scripts.base_train"))), NS(config={"script": {"path": "train.py"}}))
+    'baseline was recorded for the script train.py, this run probes the module scripts.base_train'
     """
-    recorded = (baseline.config.get("script") or {}).get("path")
-    probed = result.config.script.path if result.config.script is not None else None
+    recorded = baseline.config.get("script") or {}
+    script = result.config.script
+    probed = {"path": script.path, "module": script.module} if script is not None else {}
 
-    def subject(path: Optional[str]) -> str:
-        return f"the script {PurePath(path).name}" if path else "the built-in probe"
+    def subject(section: dict) -> Optional[str]:
+        if section.get("module"):
+            return f"the module {section['module']}"
+        return f"the script {PurePath(section['path']).name}" if section.get("path") else None
 
-    if recorded is None and probed is None:
-        return None
-    if recorded is not None and probed is not None and PurePath(recorded).name == PurePath(probed).name:
-        return None
-    return f"baseline was recorded for {subject(recorded)}, this run probes {subject(probed)}"
+    was, now = subject(recorded) or "the built-in probe", subject(probed) or "the built-in probe"
+    return None if was == now else f"baseline was recorded for {was}, this run probes {now}"
 
 
 def _measurement_notes(result: RunResult) -> list[str]:

@@ -37,7 +37,7 @@ from healthcheck.run.console import HeartbeatProgress
 from healthcheck.run.data import check_data_inputs, prepare_samples
 from healthcheck.run.failures import ERRORS_DIR, describe_failure, input_error_in_workers
 from healthcheck.run.modeling import PRESETS, load_tokenizer, model_source
-from healthcheck.run.script_worker import script_exists_error, script_worker
+from healthcheck.run.script_worker import script_target_error, script_worker
 from healthcheck.run.watchdog import HEARTBEAT_DIR, Watchdog, read_beats
 from healthcheck.run.worker import probe_worker
 from healthcheck.version import __version__
@@ -59,7 +59,7 @@ def preflight(config: ProbeConfig) -> None:
     if problem:
         raise InvalidInput(problem)
     if config.script is not None:
-        problem = script_exists_error(config.script.path)
+        problem = script_target_error(config.script.path, config.script.module)
         if problem:
             raise InvalidInput(problem)
         return

@@ -2,7 +2,8 @@
 
 The script runs as ``__main__`` with ``sys.argv = [path, *args]`` (``{seed}`` filled in), in the
 user's working directory and environment, with the script's folder first on ``sys.path`` as
-``python train.py`` would have it. :mod:`healthcheck.integrations.script.session` measures it; this
+``python train.py`` would have it; a module (``script.module``) as ``python -m pkg.train`` runs it: the working
+directory first on ``sys.path``, ``sys.argv[0]`` the module's file. :mod:`healthcheck.integrations.script.session` measures it; this
 module supplies what the run layer owns: heartbeats, injected faults, the rows rank 0 writes, and
 the one-line failure a rank leaves when the script raises or ends too soon.
 """
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from healthcheck.artifacts import AGGREGATES_FILE, STEPS_FILE, FailFastPolicy, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
+from healthcheck.errors import one_line
 from healthcheck.files import JsonlWriter
 from healthcheck.integrations.script.session import ProbeComplete, ScriptSession, SessionHooks
 from healthcheck.measure import distributed as hdist
@@ -105,16 +107,18 @@ class _ScriptRun:
             make_replay=functools.partial(_build_rounds, self.config),
         )
         session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
-        path = Path(self.config.script.path)
-        argv = self.config.script.argv(self.config.train.seed)
+        script = self.config.script
         saved_argv, saved_path = list(sys.argv), list(sys.path)
-        sys.argv = argv
-        sys.path.insert(0, str(path.resolve().parent))
+        sys.argv = script.argv(self.config.train.seed)
+        sys.path.insert(0, str(Path(script.path).resolve().parent) if script.path is not None else os.getcwd())
         ended = "returned"
         try:
             with session:
                 try:
-                    runpy.run_path(str(path), run_name="__main__")
+                    if script.module is not None:
+                        runpy.run_module(script.module, run_name="__main__", alter_sys=True)
+                    else:
+                        runpy.run_path(str(script.path), run_name="__main__")
                 except ProbeComplete:
                     pass
                 except SystemExit as exc:
@@ -197,16 +201,44 @@ def _build_rounds(config: ProbeConfig, module: Any, loss_of: Any, device: Any, n
     return build_rounds(config, module, loss_of, device, names)
 
 
-def script_exists_error(path: str) -> Optional[str]:
-    """The one-line problem with ``script.path`` before anything starts, or None.
+def script_target_error(path: Optional[str], module: Optional[str] = None) -> Optional[str]:
+    """The one-line problem with ``script.path`` (or ``script.module``) before anything starts, or None.
 
-    >>> script_exists_error("/no/such/train.py")
+    >>> script_target_error("/no/such/train.py")
     'script.path: /no/such/train.py: no such file'
+    >>> script_target_error(None, "no_such_package.train")
+    'script.module: no_such_package.train: no module named no_such_package (looked in the working directory, then sys.path)'
     """
+    if module is not None:
+        return _module_error(module)
+    assert path is not None
     if not os.path.exists(path):
         return f"script.path: {path}: no such file"
     if os.path.isdir(path):
         return f"script.path: {path} is a directory; give the training script's .py file"
     if not os.access(path, os.R_OK):
         return f"script.path: {path}: not readable"
+    return None
+
+
+def _module_error(module: str) -> Optional[str]:
+    """Whether ``python -m MODULE`` would find it from here: its package is imported to look (as ``python -m`` does),
+    and a package needs a ``__main__``."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
+            spec = importlib.util.find_spec(f"{module}.__main__")
+            if spec is None:
+                return f"script.module: {module} is a package without __main__; name the module that trains"
+    except ModuleNotFoundError as exc:
+        return f"script.module: {module}: no module named {exc.name} (looked in the working directory, then sys.path)"
+    except Exception as exc:  # its package failed to import: python -m would fail the same way on every rank
+        return f"script.module: {module}: importing its package failed: {one_line(exc)}"
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        return f"script.module: {module}: no such module (looked in the working directory, then sys.path)"
     return None

@@ -1,0 +1,1 @@
+"""The project's library: a model builder (nanochat's ``nanochat`` package, torchtitan's ``torchtitan``)."""
