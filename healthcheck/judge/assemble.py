@@ -36,6 +36,7 @@ from healthcheck.judge.exact_audits import (
     reduction_audit,
     seed_audit,
 )
+from healthcheck.judge.learning_rate import learning_rate_audit
 from healthcheck.judge.loss_weight import loss_weight_audit
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
@@ -81,16 +82,11 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         for metric in per_rank_columns:
             columns[metric][row["rank"]] = row.get(metric)
     outcomes["zero_gradients"] = zero_gradients_audit({step: columns["grad_norm"] for step, columns in per_step.items()})
-    if config.script is not None:  # script mode's readings: the loss's weight in each rank's backward, stale gradients
-        weights: dict[int, list[Any]] = {}
-        tokens: dict[int, list[Any]] = {}
-        carried: dict[int, list[Any]] = {}
-        for row in rows:
-            weights.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("loss_weight")
-            tokens.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("tokens")
-            carried.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("grads_carried")
-        outcomes["loss_weight"] = loss_weight_audit(weights, tokens)
-        outcomes["stale_gradients"] = stale_gradients_audit(carried)
+    if config.script is not None:  # script mode's readings: the loss's weight, stale gradients, the learning rate
+        read = {key: _by_step(rows, key, world) for key in ("loss_weight", "tokens", "grads_carried", "lr")}
+        outcomes["loss_weight"] = loss_weight_audit(read["loss_weight"], read["tokens"])
+        outcomes["stale_gradients"] = stale_gradients_audit(read["grads_carried"])
+        outcomes["learning_rate"] = learning_rate_audit(read["lr"])
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]
@@ -167,6 +163,14 @@ def parameter_outcomes(
     }
 
 
+def _by_step(rows: Sequence[dict[str, Any]], key: str, world: int) -> dict[int, list[Any]]:
+    """``step -> each rank's value of key`` (None where a rank has no row or no value)."""
+    out: dict[int, list[Any]] = {}
+    for row in rows:
+        out.setdefault(row["step"], [None] * world)[row["rank"]] = row.get(key)
+    return out
+
+
 def explained_by_learning_rate(params: AuditOutcome, rows: Sequence[dict[str, Any]], world: int) -> AuditOutcome:
     """``param_equality`` with, where its ranks stepped with another learning rate, the first sampled step at which
     they did: a per-rank warmup or schedule leaves the first step's optimizer settings equal (warmup starts every
@@ -178,9 +182,7 @@ def explained_by_learning_rate(params: AuditOutcome, rows: Sequence[dict[str, An
     """
     if params.passed or not params.ranks:
         return params
-    by_step: dict[int, list[Any]] = {}
-    for row in rows:
-        by_step.setdefault(row["step"], [None] * world)[row["rank"]] = row.get("lr")
+    by_step = _by_step(rows, "lr", world)
     for step in sorted(by_step):
         rates = by_step[step]
         if None in rates:

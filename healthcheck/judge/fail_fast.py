@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Sequence
 from healthcheck.artifacts import EarlyStop, FailFastPolicy
 from healthcheck.finite import finite_or_none
 from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.learning_rate import learning_rate_audit
 from healthcheck.judge.loss_weight import LossWeightWatch
 from healthcheck.judge.stale_gradients import stale_gradients_audit
 from healthcheck.ranks import ranks_phrase
@@ -37,7 +38,7 @@ from healthcheck.ranks import ranks_phrase
 #: Audits whose failure is final once seen: exact evidence that more steps cannot undo.
 DECISIVE = (
     "data_shards", "seeds", "environment", "param_equality", "sharded_state", "replay", "nonfinite", "loss_weight",
-    "stale_gradients",
+    "stale_gradients", "learning_rate",
 )
 
 
@@ -91,16 +92,19 @@ class StepAudits:
     {}
     >>> audits.add(2, {"loss_weight": [1.0, 1.0], "grads_carried": [0.0, 1.0]}, None)["stale_gradients"].ranks
     (1,)
+    >>> audits.add(3, {"lr": [0.5, 0.5]}, None), audits.add(4, {"lr": [0.75, 0.625]}, None)["learning_rate"].passed
+    ({}, False)
     """
 
     def __init__(self) -> None:
         self.loss_weights = LossWeightWatch()
         self.readings: dict[int, list[Optional[float]]] = {}
+        self.rates: dict[int, list[Optional[float]]] = {}
 
     def add(
         self, step: int, extras: Mapping[str, Sequence[Optional[float]]], tokens: Optional[Sequence[Optional[float]]]
     ) -> dict[str, AuditOutcome]:
-        """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``): the outcomes that fail, by audit name."""
+        """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``, ``lr``): the outcomes that fail, by audit name."""
         outcomes = {}
         weights = extras.get("loss_weight")
         if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens)) is not None:
@@ -110,4 +114,9 @@ class StepAudits:
             row = self.readings[step] = [finite_or_none(v) for v in readings]  # the gather sends a None as NaN
             if None not in row and len(set(row)) > 1:
                 outcomes["stale_gradients"] = stale_gradients_audit(self.readings)
+        rates = extras.get("lr")
+        if rates is not None:
+            row = self.rates[step] = [finite_or_none(v) for v in rates]
+            if None not in row and len(set(row)) > 1:
+                outcomes["learning_rate"] = learning_rate_audit(self.rates)
         return outcomes

@@ -13,7 +13,11 @@ module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
 accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); zero-loss=R (rank R's loss times 0, as a
 per-node loss weight of 0 would: its gradient is zero, its loss is not);
-bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn).
+bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn);
+zero (torch's ZeroRedundancyOptimizer around SGD, as PyTorch's ZeRO tutorial writes it: each rank steps its own
+partition of the parameters and broadcasts it); zero-lr=R (the same, rank R's learning rate 10x: its partition moves
+otherwise, and the broadcast still leaves every replica bit-identical); zero-warmup=R (the same with a linear warmup
+from 0 over 4 steps, over 8 on rank R: a per-node schedule, equal at the first step).
 Knows nothing about healthcheck.
 """
 
@@ -64,7 +68,17 @@ def main():
         global OFF
         OFF = 1.01 if mode == "fp16-hook-off" and rank == int(value) else 1.0
         model.register_comm_hook(None, fp16_compress_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = None
+    if mode in ("zero", "zero-lr", "zero-warmup"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        lr = 1.0 if mode == "zero-lr" and rank == int(value) else 0.1
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr)
+        if mode == "zero-warmup":
+            warmup = 8 if rank == int(value) else 4
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         if mode == "return-after" and step == int(value):
@@ -89,6 +103,8 @@ def main():
         loss.backward()
         if mode != "never-step":
             optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
     dist.destroy_process_group()
 

@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from tests.e2e.conftest import failed_findings, read_rows
+from tests.e2e.conftest import failed_findings, read_rows, run_cli
 from tests.e2e.test_script_mode import (
+    CLIENTS,
     probe_args,
     reference_metrics,
     run_with_reference,
@@ -54,3 +55,33 @@ def test_a_rank_whose_second_optimizer_differs_is_named(tiny_llama, tmp_path):  
     assert failed["audit.environment"]["ranks"] == [1]
     assert failed["audit.environment"]["message"] == "optimizer#2.lr differs: ranks 0, 2 0.001; rank 1 0.01"
     assert failed["audit.param_equality"]["ranks"] == [1]
+
+
+def zero_probe(out, mode: str):
+    return run_cli("probe", "--script", str(CLIENTS / "tiny_ddp.py"), "--out", str(out), "--audits-only", "--set",
+                   f"distributed.nproc={RANKS}", "--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--",
+                   "--mode", mode, "--steps", "20")
+
+
+def test_zero_redundancy_optimizer_steps_are_probe_steps(tmp_path):
+    # PyTorch's ZeRO tutorial: ZeroRedundancyOptimizer wraps SGD; each rank steps its own partition (an inner
+    # optimizer's step inside the wrapper's) and broadcasts it. One probe step per update, replicas bit-identical.
+    done = zero_probe(tmp_path / "run", "zero")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps_completed"] == 6 and all(a["passed"] for a in result["audits"].values()), result["audits"]
+    assert result["audits"]["learning_rate"]["message"] == "ranks 0-2 stepped with the same learning rate at every one of 6 steps (0.1)"
+
+
+def test_a_rank_with_its_own_warmup_under_zero_is_named_at_the_first_step_it_differs(tmp_path):
+    # Rank 2 warms up over 8 steps, the others over 4: every rank starts at lr 0 (the environment audit agrees), and
+    # ZeroRedundancyOptimizer broadcasts each partition from its owner, so the parameters stay bit-identical while rank
+    # 2's partition trains at half the rate. Before the learning-rate audit the probe passed.
+    done = zero_probe(tmp_path / "run", "zero-warmup=2")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert {k for k, a in result["audits"].items() if not a["passed"]} == {"learning_rate"}, result["audits"]
+    assert result["audits"]["learning_rate"]["ranks"] == [2] and result["audits"]["param_equality"]["measured"]
+    assert result["stopped_early"]["check"] == "learning_rate" and result["stopped_early"]["step"] == 1
+    assert result["audits"]["learning_rate"]["message"].startswith(
+        "rank 2 stepped with another learning rate from step 1: ranks 0-1 0.025; rank 2 0.0125"), result["audits"]["learning_rate"]

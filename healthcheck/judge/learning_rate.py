@@ -1,0 +1,55 @@
+"""The learning-rate audit: does every rank step with the same learning rate at every step?
+
+Script mode records the learning rate of the first parameter group of the optimizer that began each update, as each
+rank stepped (``lr``, :mod:`healthcheck.integrations.script.step_facts`). A per-node schedule (another warmup length,
+a resumed scheduler one step off) leaves the first step's settings equal, since a warmup starts every rank at 0, so the
+environment audit, judged at the first step, cannot see it. Under DDP the parameters then part and ``param_equality``
+names the rank at its next check; under FSDP2 no rank holds another's shard, and under torch's
+``ZeroRedundancyOptimizer`` each rank steps its own partition and broadcasts it, so every replica stays bit-identical
+while the model trains with the wrong rate. Exact: every rank computes its rate with the same arithmetic, so a
+correct run's rates are equal to the bit.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, odd_ones_out, partition_signature, ranks_phrase
+
+
+def learning_rate_audit(rates: Mapping[int, Sequence[Optional[float]]]) -> AuditOutcome:
+    """Judge ``step -> each rank's learning rate`` (None where a rank's was not read).
+
+    >>> print(learning_rate_audit({s: [s / 4] * 3 for s in range(5)}).message)
+    ranks 0-2 stepped with the same learning rate at every one of 5 steps (0 to 1)
+    >>> outcome = learning_rate_audit({s: [s / 4, s / 8, s / 4] for s in range(5)})
+    >>> print(outcome.message)
+    rank 1 stepped with another learning rate from step 1: ranks 0, 2 0.25; rank 1 0.125 (in 4 of 5 steps)
+    >>> outcome.ranks, outcome.signature
+    ((1,), '0,2|1')
+    """
+    judged = sorted(s for s, row in rates.items() if row and all(v is not None for v in row))
+    if not judged:
+        return not_measured("no step read a learning rate on every rank (an optimizer without param_groups' lr)")
+    differ = [s for s in judged if len(set(rates[s])) > 1]
+    details = {"steps_judged": len(judged), "steps_differing": differ}
+    world = len(rates[judged[0]])
+    if not differ:
+        values = [float(rates[s][0] or 0.0) for s in judged]  # judged: every value is a number
+        span = f"{min(values):.6g}" if min(values) == max(values) else f"{min(values):.6g} to {max(values):.6g}"
+        return AuditOutcome(
+            True, f"{ranks_phrase(range(world))} stepped with the same learning rate at every one of {len(judged)} steps ({span})",
+            "equal", (), details,
+        )
+    first = rates[differ[0]]
+    groups = group_ranks(list(first))
+    odd = odd_ones_out(groups)
+    text = "; ".join(f"{ranks_phrase(g)} {first[g[0]]:.6g}" for g in groups)
+    return AuditOutcome(
+        False,
+        f"{ranks_phrase(odd)} stepped with another learning rate from step {differ[0]}: {text} "
+        f"(in {len(differ)} of {len(judged)} steps)",
+        partition_signature(groups),
+        tuple(odd),
+        details,
+    )
