@@ -126,15 +126,19 @@ def test_exact_mode_under_hsdp_is_a_clear_input_error(tiny_llama, tmp_path):  # 
 
 def test_a_rank_whose_learning_rate_schedule_differs_is_named_under_fsdp2(tiny_llama, tmp_path):  # noqa: F811
     # Rank 1 warms up over 8 steps, the others over 4: every rank starts at lr 0, so the first step's settings agree,
-    # and under FSDP2 no replica shows the difference. The optimizer, compared on the last step, does. Before,
-    # script mode never compared it (sharded_state said "the optimizer at 0 checks") and the probe passed.
+    # and under FSDP2 no replica shows the difference. The learning rate each rank stepped with does, from step 1; so
+    # does the optimizer, compared at the last step (--no-fail-fast). Before, script mode never compared the optimizer
+    # (sharded_state said "the optimizer at 0 checks") and the probe passed.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS, extra=("--no-fail-fast",),
                                script_args=("--warmup", "4", "--bug", "warmup-rank=1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    assert failed_ranks(out) == {"audit.sharded_state": [1]}, failed_ranks(out)
-    message = json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
-    assert message == f"rank 1's optimizer differs at step {STEPS - 1}: param_groups.0.lr 0.000375 (ranks 0, 2-3: 0.00075)", message
+    assert failed_ranks(out) == {"audit.sharded_state": [1], "audit.learning_rate": [1]}, failed_ranks(out)
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert audits["sharded_state"]["message"] == (
+        f"rank 1's optimizer differs at step {STEPS - 1}: param_groups.0.lr 0.000375 (ranks 0, 2-3: 0.00075)"), audits["sharded_state"]
+    assert audits["learning_rate"]["message"].startswith(
+        "rank 1 stepped with another learning rate from step 1: ranks 0, 2-3 0.00025; rank 1 0.000125"), audits["learning_rate"]
 
 
 def test_stale_weights_own_clipping_and_a_slow_logger_are_each_named_at_their_rank(tiny_llama, tmp_path):  # noqa: F811
