@@ -76,13 +76,14 @@ def test_steps_the_scaler_skips_are_not_probe_steps(fused, unscaled_run, tmp_pat
         assert 0.5 < row["grad_norm"] / plain[key]["grad_norm"] < 2, (key, row["grad_norm"], plain[key]["grad_norm"])
 
 
-@pytest.mark.parametrize("order, fused", [("first-layer-first", False), ("last-layer-first", False), ("last-layer-first", True)])
+@pytest.mark.parametrize("order, fused", [("first-layer-first", False), ("last-layer-first", True)])
 def test_an_optimizer_the_scaler_skips_alone_leaves_the_step_unmeasured(order, fused, tmp_path):
     # One AdamW per Linear, both stepped through the scaler. From 2**20 the script's steps 0-2 overflow everywhere
     # (skipped whole) and steps 3-4 in the last layer alone: the scaler skips that layer's optimizer and the other
     # steps. Before, with the first layer's optimizer stepped first, the step's inf gradients failed `nonfinite`
     # (exit 1); in the other order the skip of the first optimizer discarded the step's gradients before the second
-    # stepped on them, and every rank ended in exit 3. Now the two partly skipped updates are probe steps 0 and 1,
+    # stepped on them, and every rank ended in exit 3 (unfused too: the fused one skips inside the optimizer's step,
+    # the unfused one is not called, and both reach the same deferred skip). Now the two partly skipped updates are probe steps 0 and 1,
     # not measured, and said so; probe step 2 is the script's step 5.
     done = probe(tmp_path / "run", "--init-scale", "1048576", "--two-optimizers", order, *(["--fused"] if fused else []))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

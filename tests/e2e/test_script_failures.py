@@ -170,7 +170,7 @@ def test_a_gradient_source_the_scripts_model_cannot_take_is_exit_2(tmp_path):
         (["--script", "tests"], "script.path: tests is a directory"),
         (["--script", str(TINY), "--set", "train.lr=0.1", "--set", "data.max_length=64"],
          "script: data.max_length, train.lr configure the built-in probe"),
-        (["--set", "train.steps=3", "--", "--mode", "ok"], "script.path: Field required"),
+        (["--set", "train.steps=3", "--", "--mode", "ok"], "script: give the script's path or its module (script.path or script.module)"),
     ],
 )
 def test_bad_script_input_is_exit_2_before_any_worker_starts(tmp_path, args, expected):
