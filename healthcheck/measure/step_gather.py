@@ -344,7 +344,8 @@ def mean_sqnorm_from_sketches(gram: Any, sqnorms: list[float]) -> float:
     rows = [list(row) for row in gram]
     n = len(rows)
     cross = fsum(rows[i][j] for i in range(n) for j in range(n) if i != j)
-    return (fsum(sqnorms) + cross) / (n * n)
+    # A norm: an estimate below zero (nearly opposed gradients and the sketch's error) is read as zero, not negative.
+    return max(0.0, (fsum(sqnorms) + cross) / (n * n))
 
 
 def finished_within(inflight: InFlight, timeout_s: float) -> bool:
