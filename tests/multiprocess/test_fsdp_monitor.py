@@ -6,7 +6,8 @@ padded. Per-parameter hooks never see a rank's local gradient under FSDP2, so th
 float64 replica loaded with the FSDP parameters (``full_tensor()``) every step and run on the same
 micro-batches: its gradient is each rank's true local gradient. Cases: plain steps; gradient
 accumulation 3 with ``set_requires_gradient_sync(False)`` and with FSDP2's default reduce-scatter per
-micro-batch; exact and sketch; the reduction check; and training unchanged against an unmonitored twin.
+micro-batch; exact and sketch; the reduction check; and training unchanged against an unmonitored twin. HSDP (a
+2 x 2 replicate x shard mesh), sketch mode: each reduce-scatter spans two ranks, the step is gathered from all four.
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ def _batch(step, rank, micro):
     return ids, torch.roll(ids, 1, dims=1)
 
 
-def _sharded():
+def _sharded(hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Net()
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (WORLD,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -126,10 +127,10 @@ def _errors(m, grads):
     }
 
 
-def _run_case(direction, accum, mode, overlap):
+def _run_case(direction, accum, mode, overlap, hsdp=False):
     from torch.distributed.tensor import DTensor
 
-    model, twin = _sharded(), _sharded()
+    model, twin = _sharded(hsdp), _sharded(hsdp)
     monitor = WorkerConsistencyMonitor(model, direction=direction, sketch_dim=SKETCH_DIM, seed=3, overlap=overlap,
                                        reduction_every=1, exact_chunk_numel=64,
                                        **({"reduce_scatter_every_microbatch": True} if mode == "every" else {}))
@@ -169,6 +170,12 @@ def _worker():
     distributed.init_distributed("cpu", "gloo", 120)
     try:
         results = {f"{d}-{a}-{m}": _run_case(d, a, m, o) for d, a, m, o in CASES}
+        results["hsdp"] = _run_case("sketch", 1, "sync", True, hsdp=True)
+        try:  # HSDP and exact mode: the cross-replica dot products would need a gradient-sized exchange
+            WorkerConsistencyMonitor(_sharded(hsdp=True), direction="exact")
+            results["hsdp-exact"] = ""
+        except ValueError as exc:
+            results["hsdp-exact"] = str(exc)
         # Exact mode without the flag refuses a second reduce-scatter in one step, naming the fix.
         model = _sharded()
         monitor = WorkerConsistencyMonitor(model, direction="exact")
@@ -233,3 +240,14 @@ def test_exact_mode_refuses_per_microbatch_reduce_scatters_without_the_flag(outc
 
 def test_carrying_the_rows_in_an_all_reduce_is_refused(outcome):
     assert "FSDP2 gathers each step's numbers (exchange='auto' or 'gather'), got 'carry'" in outcome["carry"]
+
+
+def test_hsdp_reads_every_replicas_ranks_with_exact_norms(outcome):
+    # The reduce-scatter's output is a shard group's mean, not the job's: ‖ḡ‖² takes its cross terms from the
+    # sketches, so the mean's norm is an estimate within the sketch's bound; the local norms stay exact.
+    result = outcome["hsdp"]
+    assert result["steps"] == list(range(STEPS)) and result["unchanged"], result
+    worst = {key: max(e[key] for e in result["errors"]) for key in result["errors"][0]}
+    assert worst["norm"] <= EXACT_TOL, worst
+    assert worst["mean_norm"] <= SKETCH_TOL and worst["pairwise"] <= SKETCH_TOL and worst["to_mean"] <= SKETCH_TOL, worst
+    assert "HSDP (a replicate x shard mesh) and exact mode" in outcome["hsdp-exact"], outcome["hsdp-exact"]
