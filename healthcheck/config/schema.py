@@ -162,6 +162,13 @@ class DistributedConfig(_Section):
         description="ddp: DistributedDataParallel replicas. fsdp: FSDP2 (fully_shard) on every transformer block "
         "and the root, as the torchtitan and accelerate recipes shard; its baseline is baselines/<name>-fsdp.json.",
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="fsdp only: HSDP, this many replicas of a shard group of world/replicas ranks (torchtitan's "
+        "data_parallel_replicate_degree; FSDP2 within a node and replicas across nodes is the usual layout). "
+        "Measured in sketch mode; its baseline is baselines/<name>-hsdp.json.",
+    )
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size.")
     gradient_as_bucket_view: bool = Field(False, description="DDP gradient_as_bucket_view.")
 
@@ -307,6 +314,18 @@ class ProbeConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_replicas(self) -> "ProbeConfig":
+        replicas = self.distributed.replicas
+        if replicas > 1 and self.distributed.strategy != "fsdp":
+            raise ValueError(f"distributed.replicas: {replicas} replicas is HSDP, a layout of distributed.strategy=fsdp")
+        if replicas > 1 and self.metrics.direction != "sketch":
+            raise ValueError("distributed.replicas: HSDP is measured in sketch mode (metrics.direction=sketch): the "
+                             "cross-replica dot products of exact mode would need a gradient-sized exchange")
+        if self.script is None and self.distributed.nproc % replicas:
+            raise ValueError(f"distributed.replicas: {replicas} does not divide distributed.nproc={self.distributed.nproc}")
+        return self
+
+    @model_validator(mode="after")
     def _check_local_from(self) -> "ProbeConfig":
         # What the config decides; a --script probe's own model may still refuse it (exit 2 when the script builds it).
         chosen, problem = self.metrics.local_from, ""
@@ -338,7 +357,7 @@ class ProbeConfig(_Section):
         """``baseline``, else ``baselines/<name>.json`` (``<name>-fsdp.json`` when sharded: other envelopes)."""
         if self.baseline:
             return Path(self.baseline)
-        suffix = "-fsdp" if self.distributed.strategy == "fsdp" else ""
+        suffix = {"ddp": ""}.get(self.distributed.strategy, "-hsdp" if self.distributed.replicas > 1 else "-fsdp")
         return Path("baselines") / f"{self.name}{suffix}.json"
 
     def fingerprint(self) -> str:

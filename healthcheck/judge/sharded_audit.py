@@ -4,7 +4,10 @@ Parameters are sharded (one owner per shard), so there are no replicas to compar
 (:mod:`healthcheck.measure.sharded_state`) is each rank's sharding-plan digest, the bit hashes of the
 all-gathered parameters after sharding and after the last step, and the optimizer's settings and step
 count on every check step, and the bit hashes of the weights each rank held before ``fully_shard`` sliced them
-(FSDP2 does not broadcast them, unlike DDP). The first disagreement found is the one reported::
+(FSDP2 does not broadcast them, unlike DDP), and under HSDP the bit hashes of each rank's own slices after the last
+step, compared between the replicas of each shard. The first disagreement is the one reported, in that order but
+with the optimizer before the replicas and the all-gathered parameters after the last step: a rank's own optimizer
+is the cause they show the effects of::
 
     >>> facts = [{"param_groups": [{"lr": 0.001}], "step": 1}] * 3 + [{"param_groups": [{"lr": 0.01}], "step": 1}]
     >>> outcome = sharded_state_audit(["p"] * 4, 7, [[1, 2]] * 4, [[3, 4]] * 4, [(0, facts)], ["a", "b"])
@@ -56,19 +59,10 @@ def sharded_state_audit(
             tuple(odd),
             details,
         )
-    if shard_index and (diverged := _replicas_diverged(shard_index, end_local_hashes, names, details)) is not None:
-        return diverged
-    for when, table in (("after sharding", start_hashes), ("after the last step", end_hashes)):
-        if (split := _hash_split(table, names)) is not None:
-            groups, odd, tensor = split
-            return AuditOutcome(
-                False,
-                f"the all-gathered parameters differ {when} on {ranks_phrase(odd)} (first "
-                f"differing tensor: {tensor}); every rank must see the same full parameters",
-                f"params {when.split()[0]} {partition_signature(groups)}",
-                tuple(odd),
-                details,
-            )
+    # The cause before its effects: a rank's own optimizer moves its shard otherwise, which then parts its replicas
+    # (HSDP) and the all-gathered parameters after the last step.
+    if (split := _hash_split(start_hashes, names)) is not None:
+        return _params_differ("after sharding", split, details)
     for step, facts in optimizer_checks:
         groups = group_ranks([json.dumps(f, sort_keys=True) for f in facts])
         if len(groups) > 1:
@@ -83,6 +77,10 @@ def sharded_state_audit(
                 tuple(odd),
                 details,
             )
+    if shard_index and (diverged := _replicas_diverged(shard_index, end_local_hashes, names, details)) is not None:
+        return diverged
+    if (split := _hash_split(end_hashes, names)) is not None:
+        return _params_differ("after the last step", split, details)
     checks = len(optimizer_checks)
     return AuditOutcome(
         True,
@@ -92,6 +90,18 @@ def sharded_state_audit(
         f"{'the replicas of each shard (HSDP), ' if shard_index else ''}and the optimizer at {checks} check{'s' if checks != 1 else ''}",
         "agreed",
         (),
+        details,
+    )
+
+
+def _params_differ(when: str, split: tuple[list[list[int]], list[int], str], details: dict[str, Any]) -> AuditOutcome:
+    groups, odd, tensor = split
+    return AuditOutcome(
+        False,
+        f"the all-gathered parameters differ {when} on {ranks_phrase(odd)} (first "
+        f"differing tensor: {tensor}); every rank must see the same full parameters",
+        f"params {when.split()[0]} {partition_signature(groups)}",
+        tuple(odd),
         details,
     )
 

@@ -18,7 +18,7 @@ from healthcheck.measure.fsdp_internals import is_fsdp_module
 def wrap_model(model: Any, config: DistributedConfig, device: Any, world_size: int) -> Any:
     """The model as the strategy trains it: a DDP replica, or the FSDP2 root (``model`` itself, sharded)."""
     if config.strategy == "fsdp":
-        return fully_shard_blocks(model, device, world_size)
+        return fully_shard_blocks(model, device, world_size, config.replicas)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(
@@ -35,7 +35,9 @@ def transformer_blocks(model: Any) -> list[Any]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def fully_shard_blocks(model: Any, device: Any, world_size: int) -> Any:
+def fully_shard_blocks(model: Any, device: Any, world_size: int, replicas: int = 1) -> Any:
+    """FSDP2 on every block, then the root; with ``replicas`` > 1, HSDP: a (replicas, world / replicas) mesh, the
+    first dimension replicated, the second sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -45,7 +47,12 @@ def fully_shard_blocks(model: Any, device: Any, world_size: int) -> Any:
             f"distributed.strategy: fsdp needs a model that names its transformer blocks "
             f"(_no_split_modules); {type(model).__name__} names none"
         )
-    mesh = init_device_mesh(device.type, (world_size,))
+    if world_size % replicas:
+        raise InvalidInput(f"distributed.replicas: {replicas} does not divide the world size {world_size}")
+    if replicas > 1:
+        mesh = init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world_size,))
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -30,6 +30,7 @@ from healthcheck.judge.fail_fast import FailFast
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.environment import rank_identity
 from healthcheck.measure.evidence import AuditRecorder
+from healthcheck.measure.fsdp_internals import group_settings
 from healthcheck.measure.module_facts import module_facts
 from healthcheck.measure.sharded_state import unsharded_weight_hashes
 from healthcheck.run.console import redirect_worker_output
@@ -243,7 +244,8 @@ def _train(
         audit = AuditRecorder(
             model,
             param_check_every=config.metrics.param_check_every,
-            extra={"model_dtype": rank_config.model.dtype, "strategy": strategy, **module_facts(model)},
+            extra={"model_dtype": rank_config.model.dtype, "strategy": strategy, **module_facts(model),
+                   **({"fsdp.mesh": group_settings(wrapped).get("fsdp.mesh", "?")} if strategy == "fsdp" else {})},
             sharded=strategy == "fsdp",
             pre_shard=pre_shard,
         )

@@ -227,6 +227,20 @@ def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path
     assert "lr" in result["audits"]["sharded_state"]["message"]
 
 
+def test_the_builtin_probe_under_hsdp_names_a_rank_whose_optimizer_differs(tmp_path):
+    # distributed.replicas=2: 2 replicas of a 2-rank shard group. Rank 2's learning rate moves its shard otherwise,
+    # which parts it from its replica (rank 0) too; the optimizer, the cause, is what is named.
+    out = tmp_path / "run"
+    done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",
+                   "--set", "distributed.replicas=2", "--set", "distributed.nproc=4", "--set", "train.steps=4",
+                   "--set", "rank_overrides={2: {train: {lr: 0.01}}}")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.sharded_state": [2]}, failed_ranks(out)
+    message = json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
+    # The built-in schedule's warmup: step 0 steps at 0.4 of train.lr.
+    assert message.startswith("rank 2's optimizer differs at step 0: param_groups.0.lr 0.004 (ranks 0-1, 3: 0.0004)"), message
+
+
 def test_a_straggler_under_fsdp2_is_named_though_every_collective_waits_for_it(tmp_path):
     # FSDP2's all-gathers make every rank wait for the slowest inside the step, so every rank's step is as
     # long as the straggler's. busy_ms is the ranks' median own work plus the time the others waited for

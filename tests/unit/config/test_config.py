@@ -81,6 +81,20 @@ def test_a_gradient_source_the_config_rules_out_is_refused():
         assert expected in error_of(None, list(sets)), sets
 
 
+def test_hsdp_replicas_are_a_sharded_sketch_layout_that_divides_the_workers():
+    config = load_config(None, ["distributed.strategy=fsdp", "distributed.replicas=2", "distributed.nproc=4"])
+    assert config.distributed.replicas == 2 and config.baseline_path().name == "default-hsdp.json"
+    assert load_config(None, ["distributed.strategy=fsdp"]).baseline_path().name == "default-fsdp.json"
+    refused = {
+        ("distributed.replicas=2",): "distributed.replicas: 2 replicas is HSDP, a layout of distributed.strategy=fsdp",
+        ("distributed.strategy=fsdp", "distributed.replicas=2", "metrics.direction=exact"): "HSDP is measured in sketch mode",
+        ("distributed.strategy=fsdp", "distributed.replicas=3"): "distributed.replicas: 3 does not divide distributed.nproc=8",
+        ("distributed.replicas=0",): "distributed.replicas: Input should be greater than or equal to 1",
+    }
+    for sets, expected in refused.items():
+        assert expected in error_of(None, list(sets)), sets
+
+
 def test_rank_override_bad_field_is_named():
     assert "rank_overrides.1.train.sed: unknown key" in error_of(None, ["rank_overrides={1: {train: {sed: 1}}}"])
     assert "cannot override distributed" in error_of(None, ["rank_overrides={1: {distributed: {nproc: 3}}}"])
