@@ -107,6 +107,41 @@ def replicate_group(param_group: Any) -> Any:
     return replicate_group_of(param_group.mesh_info)
 
 
+def time_replica_all_reduce(span: Callable[[], Any]) -> Callable[[], None]:
+    """HSDP: FSDP2 all-reduces each reduce-scattered shard over the replicas with a plain ``dist.all_reduce`` in its
+    ``_fsdp_collectives`` module, which no comm slot reaches. Route that module's calls through ``span`` (the
+    monitor's wait clock: a rank waiting there for a straggler in another replica is waiting, not working).
+    Returns the undo."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives.dist
+
+    class TimedDist:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(original, name)
+
+        def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
+            with span():
+                return original.all_reduce(*args, **kwargs)
+
+    _fsdp_collectives.dist = TimedDist()  # type: ignore[assignment]  # a stand-in for the module, by attribute
+
+    def restore() -> None:
+        _fsdp_collectives.dist = original
+
+    return restore
+
+
+def mesh_groups(param_group: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The global ranks of every shard group and every replica group of a parameter group's mesh (HSDP: rows and
+    columns of its (replicas, shards) grid); on a one-dimensional mesh, one shard group and no replica group."""
+    grid = param_group.mesh_info.mesh.mesh
+    if grid.ndim < 2:
+        return [[int(r) for r in grid.tolist()]], []
+    rows = [[int(r) for r in row] for row in grid.tolist()]
+    return rows, [list(column) for column in zip(*rows, strict=True)]
+
+
 def install(module: Any, state: Any, param_group: Any, comm: Any) -> Any:
     """Install ``comm`` on ``param_group``; return the comm it replaces (to delegate to and to restore)."""
     inner = param_group._reduce_scatter_comm

@@ -135,6 +135,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         # The wait clock (measure/wait_clock.py) leaves every wait out of own work, as under DDP; blame needs each
         # wait's wall time too. ms this step spent inside each of FSDP2's blocking collectives, in order:
         self._waits: list[float] = []
+        self._replica_waits: list[float] = []  #: HSDP: ms in each replica all-reduce this step, in order
         # ms in other blocking collectives this step (the script's torch.distributed calls, end_step's exchange):
         # one column, since a script need not run the same number of them each step.
         self._other_wait_ms = 0.0
@@ -144,6 +145,12 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         comm_class, gather_class = fsdp_internals.comm_class(), fsdp_internals.timed_all_gather_class()
         self._comms = []
         self._gathers = []
+        # HSDP's replica all-reduce blocks until the slowest replica arrives, like the collectives timed here.
+        self._untime_all_reduce = fsdp_internals.time_replica_all_reduce(self._waiting_replicas) if self.replicas > 1 else None
+        # Whom each collective's ranks waited for: its own group's ranks (rows of the gathered step are global ranks
+        # under HSDP, and the shard group's under plain FSDP2, whose one group is then every row).
+        shard_groups, replica_groups = fsdp_internals.mesh_groups(groups[0][2])
+        self._blame_groups = {"": shard_groups if self.replicas > 1 else [list(range(self._world))], "r": replica_groups}
         for index, (module, state, param_group) in enumerate(groups):
             comm = comm_class(index, param_group, self._on_reduce_scatter)
             comm.inner = fsdp_internals.install(module, state, param_group, comm)
@@ -164,6 +171,10 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         leave together); own work leaves it out less its run-queue time, which the step's own already holds."""
         return self._wait_clock.span(on_wall=self._add_wait, any_thread=True)
 
+    def _waiting_replicas(self) -> ContextManager[None]:
+        """As :meth:`_waiting`, for HSDP's all-reduce over a replica group (its own columns: other ranks meet there)."""
+        return self._wait_clock.span(on_wall=lambda seconds: self._replica_waits.append(seconds * 1000), any_thread=True)
+
     def _add_wait(self, seconds: float) -> None:
         self._waits.append(seconds * 1000)
 
@@ -173,6 +184,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
     def _launch(self, step: int, loss: Any, tokens: Any, extras: dict[str, Any]) -> InFlight:
         # Every rank ran the same collectives in the same order, so the names match across ranks.
         extras.update({f"{WAIT_PREFIX}{k:05d}": ms for k, ms in enumerate(self._waits)})
+        extras.update({f"{WAIT_PREFIX}r{k:05d}": ms for k, ms in enumerate(self._replica_waits)})
         extras[f"{WAIT_PREFIX}other"] = self._other_wait_ms  # sorts after the numbered columns
         return super()._launch(step, loss, tokens, extras)
 
@@ -184,8 +196,21 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         names = sorted(name for name in extras if name.startswith(WAIT_PREFIX))
         if not names:
             return metrics
-        columns = [extras.pop(name) for name in names]
-        blame = lateness.blame_ms([list(row) for row in zip(*columns, strict=True)])
+        # Each column is judged among the ranks its collective spans: FSDP2's own (a shard group), HSDP's all-reduce
+        # (a replica group, "r" columns), and the script's and end_step's collectives ("other": every rank).
+        spans = {**self._blame_groups, "other": [list(range(self._world))]}
+        by_kind: dict[str, list[Any]] = {}
+        for name in names:
+            suffix = name[len(WAIT_PREFIX) :]
+            by_kind.setdefault("other" if suffix == "other" else suffix.rstrip("0123456789"), []).append(extras.pop(name))
+        rows = {kind: [list(row) for row in zip(*columns, strict=True)] for kind, columns in by_kind.items()}
+        blame = [0.0] * self._world
+        for kind, waits in rows.items():
+            if kind == "r":  # HSDP: lateness at the replicas' all-reduce that waiting for the shard group explains is not
+                part = lateness.replica_blame_ms(waits, spans["r"], rows.get("", [[]] * self._world))
+            else:
+                part = lateness.grouped_blame_ms(waits, spans[kind])
+            blame = [a + b for a, b in zip(blame, part, strict=True)]
         extras["late_ms"] = blame
         busy = extras.get("busy_ms")
         if busy is not None and all(value == value for value in busy):  # NaN: a rank without a previous step
@@ -314,7 +339,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         for partials in (self._calls, self._gram, self._slices, self._reduction):
             partials.clear()
         self._waited_at_arrival = self._other_wait_ms = 0.0
-        self._waits = []
+        self._waits, self._replica_waits = [], []
 
     def close(self) -> None:
         """Stop measuring and give every parameter group its own reduce-scatter back."""
@@ -324,6 +349,9 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
         for param_group, gather in self._gathers:
             fsdp_internals.restore_all_gather(param_group, gather.inner)
         self._comms, self._gathers = [], []
+        if self._untime_all_reduce is not None:
+            self._untime_all_reduce()
+            self._untime_all_reduce = None
 
 
 def _replicas(groups: list[Any], direction: str, shard_ranks: int) -> int:

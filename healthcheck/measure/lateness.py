@@ -43,6 +43,39 @@ def blame_ms(waits_ms: Sequence[Sequence[float]]) -> list[float]:
     return blame
 
 
+def grouped_blame_ms(waits_ms: Sequence[Sequence[float]], groups: Sequence[Sequence[int]]) -> list[float]:
+    """:func:`blame_ms` within each group of ranks a collective spans, summed per rank. Under HSDP an all-gather or
+    a reduce-scatter spans one shard group and the replicas' all-reduce one replica group: who arrived last is
+    decided among the ranks that waited for each other, not across groups that never met.
+
+    >>> grouped_blame_ms([[50.0], [2.0], [9.0], [10.0]], [[0, 1], [2, 3]])  # rank 1 late in its group, rank 2 in its
+    [0.0, 48.0, 1.0, 0.0]
+    """
+    blame = [0.0] * len(waits_ms)
+    for group in groups:
+        for rank, value in zip(group, blame_ms([waits_ms[r] for r in group]), strict=True):
+            blame[rank] += value
+    return blame
+
+
+def replica_blame_ms(
+    replica_waits_ms: Sequence[Sequence[float]], replica_groups: Sequence[Sequence[int]], shard_waits_ms: Sequence[Sequence[float]]
+) -> list[float]:
+    """HSDP: blame at the replicas' all-reduces, less what each rank had waited for its own shard group. A straggler
+    holds up its shard group, which then reaches the all-reduce late as a whole: its group peers arrive late there
+    because they waited for it, not for their own work. A shard group slow as a whole (a slow node) waited for
+    nobody, so its ranks keep their blame.
+
+    >>> # rank 1 (of shard group [0, 1]) slept 50 ms: rank 0 waited for it, then both were 50 ms late to ranks 2, 3
+    >>> replica_blame_ms([[1.0], [0.0], [51.0], [50.0]], [[0, 2], [1, 3]], [[50.0], [0.0], [1.0], [1.0]])
+    [0.0, 50.0, 0.0, 0.0]
+    >>> replica_blame_ms([[1.0], [0.0], [51.0], [50.0]], [[0, 2], [1, 3]], [[0.5], [0.0], [1.0], [1.0]])  # a slow node
+    [49.5, 50.0, 0.0, 0.0]
+    """
+    raw = grouped_blame_ms(replica_waits_ms, replica_groups)
+    return [max(0.0, blame - sum(waited)) for blame, waited in zip(raw, shard_waits_ms, strict=True)]
+
+
 def lockstep_busy_ms(busy_ms: Sequence[float], blame: Sequence[float]) -> list[float]:
     """The step time each rank would need on its own: the ranks' median own work plus its blame.
 

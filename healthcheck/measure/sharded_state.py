@@ -59,7 +59,7 @@ def replica_facts(model: Any) -> tuple[int, list[int]]:
     if mesh is None or mesh.ndim < 2:
         return -1, []
     coordinate = mesh.get_coordinate()
-    hashes = [tensor_bit_hash(param.to_local().detach()) for param in params]
+    hashes = [tensor_bit_hash((param.to_local() if hasattr(param, "to_local") else param).detach()) for param in params]
     return int(coordinate[-1]), [int(h) for h in torch.stack(hashes).cpu().tolist()]
 
 

@@ -227,15 +227,19 @@ def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path
     assert "lr" in result["audits"]["sharded_state"]["message"]
 
 
-def test_the_builtin_probe_under_hsdp_names_a_rank_whose_optimizer_differs(tmp_path):
-    # distributed.replicas=2: 2 replicas of a 2-rank shard group. Rank 2's learning rate moves its shard otherwise,
-    # which parts it from its replica (rank 0) too; the optimizer, the cause, is what is named.
+def test_the_builtin_probe_under_hsdp_names_a_straggler_and_a_rank_whose_optimizer_differs(tmp_path):
+    # distributed.replicas=2: 2 replicas of a 2-rank shard group ([[0, 1], [2, 3]]). Rank 2's learning rate moves its
+    # shard otherwise, which parts it from its replica (rank 0) too: the optimizer, the cause, is what is named. Rank
+    # 1 sleeps 50 ms a step: its shard group waits for it, then that group reaches the replicas' all-reduce late as a
+    # whole, so rank 0's lateness there is explained by its wait for rank 1 (measure/lateness.py). Before the
+    # replicas' all-reduce was timed and judged among its own ranks, the straggler passed (1.008x).
     out = tmp_path / "run"
-    done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",
-                   "--set", "distributed.replicas=2", "--set", "distributed.nproc=4", "--set", "train.steps=4",
-                   "--set", "rank_overrides={2: {train: {lr: 0.01}}}")
+    done = run_cli("probe", "--out", str(out), "--audits-only", "--no-fail-fast", "--set", "distributed.strategy=fsdp",
+                   "--set", "distributed.replicas=2", "--set", "distributed.nproc=4", "--set", "train.steps=30",
+                   "--set", "metrics.replay_every=0",
+                   "--set", "rank_overrides={1: {faults: {step_sleep_ms: 50}}, 2: {train: {lr: 0.01}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    assert failed_ranks(out) == {"audit.sharded_state": [2]}, failed_ranks(out)
+    assert failed_ranks(out) == {"audit.sharded_state": [2], "audit.stragglers": [1]}, failed_ranks(out)
     message = json.loads((out / "result.json").read_text())["audits"]["sharded_state"]["message"]
     # The built-in schedule's warmup: step 0 steps at 0.4 of train.lr.
     assert message.startswith("rank 2's optimizer differs at step 0: param_groups.0.lr 0.004 (ranks 0-1, 3: 0.0004)"), message
