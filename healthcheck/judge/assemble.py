@@ -36,7 +36,7 @@ from healthcheck.judge.exact_audits import (
     reduction_audit,
     seed_audit,
 )
-from healthcheck.judge.learning_rate import learning_rate_audit
+from healthcheck.judge.learning_rate import first_split, learning_rate_audit
 from healthcheck.judge.loss_weight import loss_weight_audit
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
@@ -182,22 +182,16 @@ def explained_by_learning_rate(params: AuditOutcome, rows: Sequence[dict[str, An
     """
     if params.passed or not params.ranks:
         return params
-    by_step = _by_step(rows, "lr", world)
-    for step in sorted(by_step):
-        rates = by_step[step]
-        if None in rates:
-            continue
-        groups = group_ranks(rates)
-        if len(groups) == 1:
-            continue
-        odd = odd_ones_out(groups)
-        if not set(odd) <= set(params.ranks):
-            return params
-        values = "; ".join(f"{ranks_phrase(g)} {rates[g[0]]:.6g}" for g in groups)
-        return dataclasses.replace(
-            params, message=f"{params.message}; {ranks_phrase(odd)} stepped with another learning rate from step {step}: {values}"
-        )
-    return params
+    split = first_split(_by_step(rows, "lr", world))
+    if split is None:
+        return params
+    step, groups, values = split
+    odd = odd_ones_out(groups)
+    if not set(odd) <= set(params.ranks):
+        return params
+    return dataclasses.replace(
+        params, message=f"{params.message}; {ranks_phrase(odd)} stepped with another learning rate from step {step}: {values}"
+    )
 
 
 def replay_outcome(

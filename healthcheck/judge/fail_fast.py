@@ -109,14 +109,12 @@ class StepAudits:
         weights = extras.get("loss_weight")
         if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens)) is not None:
             outcomes["loss_weight"] = weight_outcome
-        readings = extras.get("grads_carried")
-        if readings is not None:
-            row = self.readings[step] = [finite_or_none(v) for v in readings]  # the gather sends a None as NaN
-            if None not in row and len(set(row)) > 1:
-                outcomes["stale_gradients"] = stale_gradients_audit(self.readings)
-        rates = extras.get("lr")
-        if rates is not None:
-            row = self.rates[step] = [finite_or_none(v) for v in rates]
-            if None not in row and len(set(row)) > 1:
-                outcomes["learning_rate"] = learning_rate_audit(self.rates)
+        # Exact per-step readings: judged once a step's values, read on every rank, differ.
+        for name, key, store, audit in (("stale_gradients", "grads_carried", self.readings, stale_gradients_audit),
+                                        ("learning_rate", "lr", self.rates, learning_rate_audit)):
+            values = extras.get(key)
+            if values is not None:
+                row = store[step] = [finite_or_none(v) for v in values]  # the gather sends a None as NaN
+                if None not in row and len(set(row)) > 1:
+                    outcomes[name] = audit(store)
         return outcomes

@@ -41,15 +41,30 @@ def learning_rate_audit(rates: Mapping[int, Sequence[Optional[float]]]) -> Audit
             True, f"{ranks_phrase(range(world))} stepped with the same learning rate at every one of {len(judged)} steps ({span})",
             "equal", (), details,
         )
-    first = rates[differ[0]]
-    groups = group_ranks(list(first))
+    split = first_split(rates)
+    assert split is not None  # differ holds such a step
+    step, groups, text = split
     odd = odd_ones_out(groups)
-    text = "; ".join(f"{ranks_phrase(g)} {first[g[0]]:.6g}" for g in groups)
     return AuditOutcome(
         False,
-        f"{ranks_phrase(odd)} stepped with another learning rate from step {differ[0]}: {text} "
+        f"{ranks_phrase(odd)} stepped with another learning rate from step {step}: {text} "
         f"(in {len(differ)} of {len(judged)} steps)",
         partition_signature(groups),
         tuple(odd),
         details,
     )
+
+
+def first_split(rates: Mapping[int, Sequence[Optional[float]]]) -> Optional[tuple[int, list[list[int]], str]]:
+    """The first step whose rates, read on every rank, differ: the step, the ranks grouped by rate (largest group
+    first) and the groups as text; None where every such step agrees (also :func:`.assemble.explained_by_learning_rate`).
+
+    >>> first_split({0: [0.0, 0.0, 0.0], 1: [0.5, None, 0.25], 2: [1.0, 1.0, 0.5]})
+    (2, [[0, 1], [2]], 'ranks 0-1 1; rank 2 0.5')
+    """
+    for step in sorted(rates):
+        row = rates[step]
+        if row and None not in row and len(set(row)) > 1:
+            groups = group_ranks(list(row))
+            return step, groups, "; ".join(f"{ranks_phrase(g)} {row[g[0]]:.6g}" for g in groups)
+    return None

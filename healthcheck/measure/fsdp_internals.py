@@ -63,7 +63,7 @@ def group_settings(root: Any) -> dict[str, str]:
             ("fsdp.reduce_dtype", str(policy.reduce_dtype)),
             ("fsdp.offload_policy", type(group.offload_policy).__name__),
             ("fsdp.reshard_after_forward", str(group.post_forward_mesh_info is not None)),
-            ("fsdp.mesh", mesh_layout(group.mesh_info)),
+            ("fsdp.mesh", mesh_layout(group)),
         ):
             facts.setdefault(name, set()).add(value)
     return {name: " | ".join(sorted(values)) for name, values in facts.items()}
@@ -78,15 +78,11 @@ def gradient_sync(root: Any) -> str:
     return "off" if not any(flags) else f"on for {sum(flags)} of {len(flags)} groups"
 
 
-def mesh_layout(mesh_info: Any) -> str:
+def mesh_layout(param_group: Any) -> str:
     """``shard 4``, or ``replicate 2 x shard 4`` under HSDP: how a parameter group spreads over the ranks."""
-    shard = f"shard {mesh_info.shard_mesh_size}"
-    replicate = getattr(mesh_info, "replicate_mesh_size", None)
-    return f"replicate {replicate} x {shard}" if replicate_group_of(mesh_info) is not None and replicate else shard
-
-
-def replicate_group_of(mesh_info: Any) -> Any:
-    return getattr(mesh_info, "replicate_process_group", None)
+    shard = f"shard {param_group.mesh_info.shard_mesh_size}"
+    replicate = getattr(param_group.mesh_info, "replicate_mesh_size", None)
+    return f"replicate {replicate} x {shard}" if replicate_group(param_group) is not None and replicate else shard
 
 
 def root_facts(root: Any) -> dict[str, str]:
@@ -104,7 +100,7 @@ def reduce_scatter_group(param_group: Any) -> Any:
 def replicate_group(param_group: Any) -> Any:
     """HSDP: the process group a parameter group all-reduces its reduce-scattered shard over (its replicas); None
     for a mesh of one dimension."""
-    return replicate_group_of(param_group.mesh_info)
+    return getattr(param_group.mesh_info, "replicate_process_group", None)
 
 
 def time_replica_all_reduce(span: Callable[[], Any]) -> Callable[[], None]:
