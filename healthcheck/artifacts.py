@@ -281,11 +281,10 @@ class RankEvidence(Record):
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Scalars the environment audit compares.")
     sampler: Optional[SamplerPlan] = Field(None, description="The DistributedSampler this rank read through, if any.")
-    shard_source: str = Field(
-        "sampler",
-        description="What sharded the data: sampler (a DistributedSampler), "
-        "loader (another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).",
-    )
+    shard_source: str = Field("sampler", description="What sharded the data: sampler (a DistributedSampler), loader "
+                              "(another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).")
+    contents: list[tuple[int, list[int]]] = Field(default_factory=list, description="--script: (epoch, a 63-bit hash of each "
+                                                  "sample) of every batch the training loader yielded (.sample_hashes).")
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
     dataset_digest: Optional[str] = Field(
         None, description="--script: length and a content hash of 32 evenly spaced samples of the training loader's dataset."

@@ -26,6 +26,7 @@ from healthcheck.artifacts import (
 from healthcheck.config import ProbeConfig
 from healthcheck.files import read_jsonl
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, odd_ones_out, partition_signature, ranks_phrase
+from healthcheck.judge.content_shards import content_shard_audit
 from healthcheck.judge.exact_audits import (
     SEED_FIELDS,
     differences_phrase,
@@ -289,7 +290,10 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     tokenizes, pads, truncates or masks otherwise) is named before the shards are.
     """
     consumed = [rank_evidence.consumed for rank_evidence in per_rank]
+    contents = [rank_evidence.contents for rank_evidence in per_rank]
     if not any(consumed):
+        if all(contents):  # an IterableDataset: fetched without indices, its samples are known by content
+            return content_shard_audit(contents)
         return not_measured(
             "no DataLoader batches were seen on any rank: the script samples its data its own way, "
             "so shard overlap and order cannot be checked"
@@ -307,17 +311,21 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     compared = len(datasets) == 1 and all(rank_evidence.batch_facts for rank_evidence in per_rank)
     if compared and (batches := batch_audit([rank_evidence.batch_facts for rank_evidence in per_rank])) is not None:
         return batches
-    outcome = _shards_read(consumed, plans, datasets)
+    outcome = _shards_read(consumed, plans, datasets, contents)
     if compared and outcome.passed and outcome.measured:
         same = "every rank's DataLoader makes the same batch of the dataset's first, middle and last samples"
         outcome = dataclasses.replace(outcome, message=f"{outcome.message}; {same}")
     return outcome
 
 
-def _shards_read(consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]], datasets: Sequence[Sequence[int]]) -> AuditOutcome:
+def _shards_read(
+    consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]], datasets: Sequence[Sequence[int]], contents: Sequence[Any]
+) -> AuditOutcome:
     """Which samples the ranks read, against the shared sampler's plan where there is one."""
     if any(plan is None for plan in plans):
         if all(len(group) == 1 for group in datasets) and len(datasets) > 1:
+            if all(contents):  # a per-rank split: the same index is another sample on each rank, the same tokens are not
+                return content_shard_audit(contents)
             return not_measured(
                 "each rank reads its own dataset (at the same indices the ranks' datasets hold different samples: a "
                 "per-rank split such as datasets' split_dataset_by_node), so which samples overlap cannot be told from indices"

@@ -52,6 +52,7 @@ class AuditRecorder:
         self.param_check_every = param_check_every
         self.extra = dict(extra or {})
         self.consumed: list[tuple[int, list[int]]] = []
+        self.contents: list[tuple[int, list[int]]] = []  #: --script: sample hashes where indices name no sample
         self.rng: dict[str, dict[str, str]] = {}
         self.param_checks: list[tuple[int, list[list[int]]]] = []
         self.param_drift: list[tuple[int, list[float]]] = []
@@ -110,6 +111,7 @@ class AuditRecorder:
         sharded = self.sharded.finish() if self.sharded is not None else None
         local_evidence = RankEvidence(
             consumed=self.consumed,
+            contents=self.contents,
             rng=self.rng,
             extra=self.extra,
             sampler=self.sampler,

@@ -28,6 +28,11 @@ an example it picks with ``random.choice`` (python's generator, which ``--set-se
 
 ``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
 
+``--stream`` reads the data as a stream instead: an ``IterableDataset`` that keeps every ``WORLD_SIZE``-th sample
+from its rank on, as a streaming pipeline shards itself (no sampler, no indices). Its bugs: ``stream-unsharded``
+(no rank keeps its own part: every rank reads the whole stream) and ``stream-shard-rank=R`` (rank R keeps the part
+of rank R+1, as a node whose RANK is read from the wrong variable would).
+
 ``--muon`` trains as nanochat does, with two optimizers stepped one after the other: ``torch.optim.Muon`` for the
 decoder's 2-D weight matrices and AdamW for the embeddings, the head and the norms. With it, the bug
 ``adamw-lr-rank=R`` gives rank R's AdamW ten times the learning rate (a per-node override of one optimizer's).
@@ -44,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,6 +82,20 @@ class AlpacaDataset(Dataset):
 
     def __getitem__(self, i):
         return self.items[i]
+
+
+class AlpacaStream(IterableDataset):
+    """The samples of an AlpacaDataset as a stream: every ``world``-th one from ``part`` on (each DataLoader worker
+    keeps its own share of those)."""
+
+    def __init__(self, dataset, part, world):
+        self.dataset, self.part, self.world = dataset, part, world
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        mine = range(self.part, len(self.dataset), self.world)
+        return (self.dataset[i] for n, i in enumerate(mine) if n % workers == worker)
 
 
 def make_collate(pad_id, drop_eos=False):
@@ -176,11 +195,12 @@ def main():
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
-                         "no-zero-grad-rank=R, "
+                         "no-zero-grad-rank=R, stream-unsharded, stream-shard-rank=R, "
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
+    ap.add_argument("--stream", action="store_true", help="an IterableDataset that shards itself by rank")
     ap.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices and AdamW for the rest, as nanochat")
     args = ap.parse_args()
 
@@ -208,13 +228,20 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
     model.train()  # from_pretrained returns the model in eval mode
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if faulted("stale-data-rank") else 0)
-    if args.split_by_node:
+    world = int(os.environ["WORLD_SIZE"])
+    if args.stream:
+        if "stream-unsharded" in bugs:
+            part, parts = 0, 1
+        else:
+            part, parts = ((rank + 1) % world if faulted("stream-shard-rank") else rank), world
+        ds, sampler = AlpacaStream(ds, part, parts), None
+    elif args.split_by_node:
         # Each rank keeps its own part of the data (datasets' documented way), then shuffles it like the others.
         from datasets import Dataset as HFDataset
         from datasets.distributed import split_dataset_by_node
 
         part = split_dataset_by_node(HFDataset.from_list([{"ids": ids, "labels": lab} for ids, lab in ds.items]), rank=rank,
-                                     world_size=int(os.environ["WORLD_SIZE"]))
+                                     world_size=world)
         ds.items = [(row["ids"], row["labels"]) for row in part]
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(args.seed))
     elif "sampler-seed-per-rank" in bugs:

@@ -296,13 +296,36 @@ def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(
 
 def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(tiny_llama, tmp_path):
     # datasets' split_dataset_by_node, then the same shuffled loader on every rank: equal indices into different
-    # parts. It was failed (exit 1) as "every rank read the same samples".
+    # parts. It was failed (exit 1) as "every rank read the same samples"; then it went unmeasured. The samples'
+    # tokens tell the parts apart.
     out = tmp_path / "run"
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
                                script_args=("--split-by-node",)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
-    assert not shards["measured"] and "its own dataset" in shards["message"], shards["message"]
+    assert shards["measured"] and shards["by"] == "content", shards
+    assert shards["message"].startswith("ranks 0-3 trained on different samples"), shards["message"]
+
+
+@pytest.mark.parametrize("script_args, code, named", [
+    # An IterableDataset is fetched with None for indices: recording them raised in the script's loop (exit 3). Read
+    # through a DataLoader worker, as a streaming pipeline is, it passes on what the ranks trained on.
+    (("--workers", "1"), 0, ()),
+    (("--bug", "stream-shard-rank=1"), 1, (1, 2)),  # rank 1 reads rank 2's part: both named, the hashes can't say which moved
+])
+def test_a_stream_that_shards_itself_is_judged_by_its_samples_tokens(tiny_llama, tmp_path, script_args, code, named):
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
+                               script_args=("--stream", *script_args)))
+    assert done.returncode == code, done.stdout[-3000:] + done.stderr[-2000:]
+    shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
+    assert shards["measured"] and shards["by"] == "content" and tuple(shards["ranks"]) == named, shards
+    if code == 0:
+        assert shards["samples_per_rank"] == [12] * 4, shards
+        assert shards["message"].startswith("ranks 0-3 trained on different samples (48 samples"), shards["message"]
+    else:
+        assert failed_ranks(out) == {"audit.data_shards": list(named)}, failed_ranks(out)
+        assert "ranks 1-2 trained on the same samples in the same order" in shards["message"], shards["message"]
 
 
 def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_persistent_workers(tiny_llama, tmp_path):

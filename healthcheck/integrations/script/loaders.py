@@ -5,7 +5,9 @@ unless it was a peek: see :meth:`LoaderRecorder.on_fetch`), and the DistributedS
 Fetches run ahead of the forwards (prefetching, accelerate's look-ahead), so what is recorded is a prefix that covers
 what was trained on: enough for overlap, order and coverage, which the audits judge on prefixes. At a loader's first
 fetch, a digest of its dataset (:func:`dataset_digest`, 32 samples) and what its ``collate_fn`` makes of three of them
-(:func:`batch_facts`), which every rank must share.
+(:func:`batch_facts`), which every rank must share. And a hash of every sample of every batch it yields
+(:mod:`.sample_hashes`): what an ``IterableDataset`` or a per-rank split of the data is judged on, where indices
+name no sample.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from healthcheck.artifacts import SamplerPlan
+from healthcheck.integrations.script.sample_hashes import sample_hashes
 
 #: Attributes set on the objects themselves: an iterator's epoch, and which loader an index sampler is.
 #: (``id()`` alone is reused once a loader is freed, which would merge two loaders' records.)
@@ -24,6 +27,9 @@ _EPOCH_ATTRIBUTE = "_healthcheck_epoch"
 #: epoch was recorded as epoch 0. The old sampler iterator is alive while the new one is made, so ids differ.
 _PASS_ATTRIBUTE = "_healthcheck_sampler_iter"
 _LOADER_ATTRIBUTE = "_healthcheck_loader"
+#: Sample hashes a loader keeps at most (a prefix, as its indices are): gathered from every rank, 64 ranks' hashes
+#: stay ~10 MB, and a probe's few dozen steps of a per-device batch of 32 fit 250 steps.
+_MAX_HASHES = 8192
 
 
 @dataclasses.dataclass
@@ -40,16 +46,22 @@ class LoaderRecord:
     epoch_started_at: int = 0  #: the optimizer steps done when the newest iterator started
     sampler_epoch: Optional[int] = None  #: its DistributedSampler's ``epoch`` then, where it has one
     peeks: int = 0  #: iterators left out as peeks (:meth:`LoaderRecorder.on_fetch`)
+    contents: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)  #: (epoch, sample hashes) per batch
+    hashed: bool = True  #: every batch yielded so far could be hashed (a batch without a CPU tensor cannot)
+    hash_count: int = 0  #: sample hashes kept, up to :data:`_MAX_HASHES`
 
     def drop_epochs_from(self, epoch: int) -> None:
         """Forget the iterators numbered ``epoch`` and later: they were peeks, and the next epoch reuses the number."""
         self.batches = [(e, ids) for e, ids in self.batches if e < epoch]
+        self.contents = [(e, hashes) for e, hashes in self.contents if e < epoch]
+        self.hash_count = sum(len(hashes) for _, hashes in self.contents)
         self.peeks += self.epochs_started - epoch
         self.epochs_started = epoch
 
     @property
     def samples(self) -> int:
-        return sum(len(ids) for _, ids in self.batches)
+        """Samples fetched: by index, or by hash where the loader yields without indices (an IterableDataset)."""
+        return sum(len(ids) for _, ids in self.batches) or sum(len(hashes) for _, hashes in self.contents)
 
 
 class LoaderRecorder:
@@ -70,8 +82,6 @@ class LoaderRecorder:
         when an older iterator fetches again after it started (training went on where it was). An iterator made afresh for every step
         (``next(iter(loader))`` as the training loop) is an epoch per step, as it should be: it repeats the order.
         """
-        if indices is None:  # an IterableDataset: nothing to index
-            return
         index_sampler = getattr(iterator, "_index_sampler", None)
         key = getattr(index_sampler, _LOADER_ATTRIBUTE, None)
         if key is None:
@@ -107,7 +117,22 @@ class LoaderRecorder:
         elif epoch < record.epochs_started - 1:
             record.drop_epochs_from(epoch + 1)
         ids = indices.tolist() if hasattr(indices, "tolist") else indices
-        record.batches.append((epoch, [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]))
+        ids = ids if isinstance(ids, (list, tuple)) else [ids]
+        if None not in ids:  # an IterableDataset is fetched with None for indices: its batches are known by hash only
+            record.batches.append((epoch, [int(i) for i in ids]))
+
+    def on_batch(self, iterator: Any, batch: Any) -> None:
+        """Hash the samples of a batch the iterator yields, under the epoch :meth:`on_fetch` gave it."""
+        record = self.loaders.get(getattr(getattr(iterator, "_index_sampler", None), _LOADER_ATTRIBUTE, -1))
+        epoch = getattr(iterator, _EPOCH_ATTRIBUTE, None)
+        if record is None or epoch is None or not record.hashed or record.hash_count >= _MAX_HASHES:
+            return
+        hashes = sample_hashes(batch)
+        if hashes is None:
+            record.hashed, record.contents = False, []
+        else:
+            record.contents.append((epoch, hashes))
+            record.hash_count += len(hashes)
 
     def training_loader(self) -> Optional[LoaderRecord]:
         """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
@@ -125,6 +150,7 @@ class LoaderRecorder:
             return {"consumed": [], "shard_source": "none"}
         return {
             "consumed": list(loader.batches),
+            "contents": list(loader.contents) if loader.hashed else [],
             "sampler": loader.plan,
             "shard_source": "sampler" if loader.plan else "loader",
             "dataset_digest": loader.dataset_digest,

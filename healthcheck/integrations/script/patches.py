@@ -82,7 +82,8 @@ class Patches:
 
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
-    ``session.on_fetch(iterator, indices)``, ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
+    ``session.loaders.on_fetch(iterator, indices)``, ``session.loaders.on_batch(iterator, batch)``,
+    ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
     ``session.clips.observe(...)``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
     ``session.on_scaler_step(optimizer)``."""
     import random
@@ -146,10 +147,18 @@ def install(session: Any) -> Patches:
     def next_index(original: Any) -> Any:
         def _next_index(self: Any) -> Any:
             indices = original(self)
-            session.on_fetch(self, indices)
+            session.loaders.on_fetch(self, indices)
             return indices
 
         return _next_index
+
+    def next_batch(original: Any) -> Any:
+        def __next__(self: Any) -> Any:
+            batch = original(self)
+            session.loaders.on_batch(self, batch)
+            return batch
+
+        return __next__
 
     # All or nothing: a wrap that raises midway (an unexpected torch layout) must not leave the earlier ones
     # installed in this process, where they would call back into a session that never started.
@@ -174,6 +183,7 @@ def install(session: Any) -> Patches:
             # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
+        patches.wrap(dataloader._BaseDataLoaderIter, "__next__", next_batch)
         clipping.patch(patches, lambda *call: session.clips.observe(*call))
         step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))

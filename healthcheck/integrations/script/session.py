@@ -216,9 +216,6 @@ class ScriptSession:
     def on_process_group(self) -> None:
         self.hooks.on_process_group()
 
-    def on_fetch(self, iterator: Any, indices: Any) -> None:
-        self.loaders.on_fetch(iterator, indices)
-
     # ------------------------------------------------------------------ the step boundary
 
     def _owns(self, optimizer: Any) -> bool:

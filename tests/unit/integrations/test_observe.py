@@ -19,9 +19,6 @@ class Session:
         self.loaders = loaders.LoaderRecorder()
         self.seeds = SeedCalls()
 
-    def on_fetch(self, iterator, indices):
-        self.loaders.on_fetch(iterator, indices)
-
     def on_ddp(self, ddp):
         pass
 
@@ -305,3 +302,58 @@ def test_the_scripts_python_and_numpy_seeds_are_taken_and_healthchecks_own_are_n
     assert random.seed.__module__ == "random" and np.random.seed is not None and not hasattr(random.seed, "__wrapped__")
     (record,) = [r for r in session.loaders.loaders.values() if r.batch_facts]
     assert sorted(record.batch_facts) == ["[0]", "[1]"]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream that shards itself: every ``parts``-th row from ``part`` on, each padded to its own length."""
+
+    def __init__(self, part, parts, rows=24):
+        self.part, self.parts, self.rows = part, parts, rows
+
+    def __iter__(self):
+        return iter([torch.arange(1, 2 + i % 5) + 100 * i for i in range(self.part, self.rows, self.parts)])
+
+
+def _padded(rows):
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+def test_an_iterable_dataset_is_recorded_by_content_and_the_script_runs_on():
+    # Its indices are None: recording them once raised in the script's own loop (int(None)).
+    session = Session()
+    patches = install(session)
+    try:
+        loader, batches = DataLoader(_Stream(1, 3), batch_size=3, collate_fn=_padded), []
+        for _ in range(2):
+            batches += list(loader)
+            session.loaders.steps += 1  # the session counts the optimizer steps: an epoch trained on, not a peek
+    finally:
+        patches.restore()
+    record = session.loaders.training_loader()
+    assert len(batches) == 6 and record.batches == [] and record.samples == 16
+    assert [epoch for epoch, _ in record.contents] == [0, 0, 0, 1, 1, 1]
+    assert [h for e, h in record.contents if e == 0] == [h for e, h in record.contents if e == 1]  # a stream replays
+    assert session.loaders.evidence()["contents"] == record.contents
+
+
+def test_a_sample_hashes_alike_whatever_batch_pads_it():
+    from healthcheck.integrations.script.sample_hashes import sample_hashes
+
+    rows = list(_Stream(0, 1))
+    alone = [h for row in rows for h in sample_hashes(_padded([row]))]
+    assert [h for i in range(0, 24, 4) for h in sample_hashes(_padded(rows[i: i + 4]))] == alone
+    assert len(set(alone)) == 24
+    padded = torch.nn.utils.rnn.pad_sequence(rows[:4], batch_first=True)  # no mask: a row is hashed with its padding
+    assert sample_hashes(padded)[3] == alone[3] != sample_hashes(padded)[0]
+
+
+def test_a_batch_without_a_cpu_tensor_leaves_the_loader_unhashed():
+    session = Session()
+    patches = install(session)
+    try:
+        list(DataLoader(["a", "b", "c", "d"], batch_size=2))
+    finally:
+        patches.restore()
+    record = session.loaders.training_loader()
+    assert not record.hashed and record.contents == [] and session.loaders.evidence()["contents"] == []

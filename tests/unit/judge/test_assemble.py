@@ -96,7 +96,12 @@ def test_batches_are_compared_only_where_every_rank_made_one_of_one_dataset():
     # Each rank on its own part of the data (split_dataset_by_node): other samples, so other batches, rightly.
     own = [with_digest(evidence(0, 4, seed=5, sampler=False), f"16 samples, sha256 {r}").model_copy(
         update={"batch_facts": {"x": f"int64[3] {r}"}}) for r in range(4)]
-    assert not script_shard_audit(own).measured
+    assert not script_shard_audit(own).measured  # and no sample hashes: nothing to tell the parts apart by
+    hashed = [rank.model_copy(update={"contents": [(0, [100 * r + i for i in range(4)])]}) for r, rank in enumerate(own)]
+    outcome = script_shard_audit(hashed)
+    assert outcome.passed and outcome.measured and outcome.message.startswith("ranks 0-3 trained on different samples")
+    hashed[2] = hashed[2].model_copy(update={"contents": hashed[0].contents})  # rank 2 split off rank 0's part
+    assert script_shard_audit(hashed).ranks == (0, 2)
 
 
 def test_a_rank_with_its_own_warmup_is_explained_only_when_param_equality_names_it():

@@ -1,0 +1,104 @@
+"""The shard audit by content: did the ranks train on different samples, where no index names a sample?
+
+An ``IterableDataset`` yields without indices, and a per-rank split of the data indexes each rank's own part; the
+ranks then compare the hash of every sample they trained on (:mod:`healthcheck.integrations.script.sample_hashes`),
+epoch by epoch, up to where both got.
+
+* Ranks whose samples are the same, in the same order, read one shard: a stream no rank filtered by its rank, or a
+  rank that took another's part. Every other rank's hashes differ, so this fails on nothing but the fault.
+* A rank more than half of whose samples other ranks also read in the same epoch overlaps them, in any order (each
+  rank shuffling the whole stream with its own seed). Disjoint shards share a sample only where the data repeats
+  one: a real dataset repeats a few rows, not half of them, so a clean run does not reach it. Fewer shared samples
+  pass, and are counted in the message: shards that overlap at their edges look like repeated rows from here, and
+  only indices tell them apart.
+
+Neither order nor coverage is checked: without a sampler there is no plan to hold them to.
+
+    >>> a, b, c = [(0, [11, 12]), (0, [13, 14])], [(0, [21, 22]), (0, [23, 24])], [(0, [31, 32]), (0, [33, 34])]
+    >>> content_shard_audit([a, b, c]).signature
+    'disjoint'
+    >>> outcome = content_shard_audit([a, b, a])
+    >>> outcome.signature, outcome.ranks, outcome.message.split(":")[0]
+    ('same-samples 0,2|1', (0, 2), 'ranks 0, 2 trained on the same samples in the same order')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, partition_signature, ranks_phrase
+from healthcheck.judge.shard_audit import flatten_epochs, shard_overlap
+from healthcheck.ranks import rank_span
+
+#: A rank fails as overlapping when more than this fraction of its samples were read by other ranks (see above).
+OVERLAP_LIMIT = 0.5
+
+
+def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]]) -> AuditOutcome:
+    """Judge the ranks' ``(epoch, sample hashes)`` batches; see the module's docstring."""
+    per_rank = [flatten_epochs(batches) for batches in contents]
+    world = len(per_rank)
+    totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
+    shared = shard_overlap(per_rank)
+    epochs = len({e for rank in per_rank for e in rank})
+    details = {"samples_per_rank": totals, "shared_per_rank": shared, "epochs": epochs, "plan": None, "by": "content"}
+    groups = group_ranks(per_rank, same=same_prefix)
+    repeated = [g for g in groups if len(g) > 1]
+    if world > 1 and len(groups) == 1:
+        everyone = tuple(range(world))
+        return AuditOutcome(
+            False,
+            f"every rank trained on the same samples: {ranks_phrase(everyone)} read one stream, in the same order "
+            "(no rank kept its own part of the data: the effective batch collapsed to one rank's)",
+            "identical",
+            everyone,
+            details,
+        )
+    if repeated:
+        named = tuple(sorted(r for g in repeated for r in g))
+        pairs = "; ".join(f"{ranks_phrase(g)} trained on the same samples in the same order" for g in repeated)
+        return AuditOutcome(
+            False,
+            f"{pairs}: they read one part of the data and another part went unread (one of them took the other's "
+            "part: a rank that computed its part from the wrong rank or world size)",
+            f"same-samples {partition_signature(groups)}",
+            named,
+            details,
+        )
+    over = [r for r in range(world) if totals[r] and shared[r] > OVERLAP_LIMIT * totals[r]]
+    if over:
+        worst = max(over, key=lambda r: (shared[r] / totals[r], -r))
+        return AuditOutcome(
+            False,
+            f"{ranks_phrase(over)} overlap other ranks' data: {ranks_phrase([worst])} shares {shared[worst]} of its "
+            f"{totals[worst]} samples with other ranks within an epoch (more than half: beyond what repeated rows explain)",
+            f"overlap {rank_span(over)}",
+            tuple(over),
+            details,
+        )
+    repeats = f"; {sum(shared)} samples were read by more than one rank (rows the data repeats, or shards overlapping at their edges)"
+    return AuditOutcome(
+        True,
+        f"{ranks_phrase(range(world))} trained on different samples ({sum(totals)} samples over {epochs} "
+        f"epoch{'s' if epochs != 1 else ''}, told apart by content: no index names them, so neither order nor "
+        f"coverage was checked){repeats if any(shared) else ''}",
+        "disjoint",
+        (),
+        details,
+    )
+
+
+def same_prefix(mine: Mapping[int, Sequence[int]], theirs: Mapping[int, Sequence[int]]) -> bool:
+    """Two ranks' samples per epoch agree: every epoch both read, up to the shorter (the ranks stop at the same step,
+    not at the same fetch), with at least one sample compared.
+
+    >>> same_prefix({0: [1, 2, 3]}, {0: [1, 2]}), same_prefix({0: [1, 2]}, {0: [1, 3]}), same_prefix({0: []}, {0: []})
+    (True, False, False)
+    """
+    compared = 0
+    for epoch in mine.keys() & theirs.keys():
+        n = min(len(mine[epoch]), len(theirs[epoch]))
+        if list(mine[epoch][:n]) != list(theirs[epoch][:n]):
+            return False
+        compared += n
+    return compared > 0

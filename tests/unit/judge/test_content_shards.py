@@ -1,0 +1,62 @@
+"""The shard audit by content (IterableDataset, per-rank splits): each fault it names, and what it lets pass."""
+
+from __future__ import annotations
+
+import random
+
+from healthcheck.judge.content_shards import content_shard_audit
+
+
+def _stream(rows, world, batch=4, steps=5, epochs=1):
+    """Each rank's batches of a stream split into ``world`` parts, as (epoch, sample hashes)."""
+    return [[(e, rows[r::world][s * batch: (s + 1) * batch]) for e in range(epochs) for s in range(steps)] for r in range(world)]
+
+
+ROWS = random.Random(5).sample(range(1, 2**63), 400)
+
+
+def test_disjoint_parts_pass_and_every_epoch_counts():
+    outcome = content_shard_audit(_stream(ROWS, 8, epochs=2))
+    assert outcome.passed and outcome.measured and outcome.signature == "disjoint"
+    assert "320 samples over 2 epochs" in outcome.message and "read by more than one rank" not in outcome.message
+
+
+def test_an_unsharded_stream_is_every_rank_reading_the_same_samples():
+    outcome = content_shard_audit(_stream(ROWS, 1) * 4)
+    assert not outcome.passed and outcome.signature == "identical" and outcome.ranks == (0, 1, 2, 3)
+
+
+def test_a_rank_that_took_another_ranks_part_is_named_with_it():
+    for faulty in (0, 5, 7):
+        ranks = _stream(ROWS, 8)
+        source = (faulty + 1) % 8
+        ranks[faulty] = ranks[source]
+        outcome = content_shard_audit(ranks)
+        assert not outcome.passed and outcome.ranks == tuple(sorted((faulty, source))), faulty
+        assert "trained on the same samples in the same order" in outcome.message
+
+
+def test_the_same_part_read_up_to_another_fetch_is_still_the_same():
+    ranks = _stream(ROWS, 4)
+    ranks[2] = ranks[1] + [(0, [7, 8, 9, 10])]  # one more batch fetched before the probe ended
+    assert content_shard_audit(ranks).ranks == (1, 2)
+
+
+def test_each_rank_shuffling_the_whole_stream_overlaps_in_any_order():
+    ranks = [[(0, random.Random(r).sample(ROWS[:40], 40))] for r in range(4)]
+    outcome = content_shard_audit(ranks)
+    assert not outcome.passed and outcome.signature == "overlap 0-3" and "shares 40 of its 40" in outcome.message
+
+
+def test_repeated_rows_in_the_data_pass_and_are_counted():
+    rows = ROWS[:200] + ROWS[:20]  # a tenth of the rows repeated, at random places
+    random.Random(1).shuffle(rows)
+    outcome = content_shard_audit(_stream(rows, 4, steps=10))
+    assert outcome.passed and "samples were read by more than one rank" in outcome.message
+
+
+def test_half_of_a_ranks_samples_shared_is_not_yet_an_overlap():
+    ranks = [[(0, ROWS[0:8])], [(0, ROWS[4:12])], [(0, ROWS[20:28])]]  # rank 1 shares 4 of 8: exactly half
+    assert content_shard_audit(ranks).passed
+    ranks[1] = [(0, ROWS[3:11])]  # 5 of 8
+    assert content_shard_audit(ranks).ranks == (0, 1)
