@@ -282,7 +282,8 @@ class RankEvidence(Record):
     extra: dict[str, Any] = Field(default_factory=dict, description="Scalars the environment audit compares.")
     sampler: Optional[SamplerPlan] = Field(None, description="The DistributedSampler this rank read through, if any.")
     shard_source: str = Field("sampler", description="What sharded the data: sampler (a DistributedSampler), loader "
-                              "(another sampler, e.g. accelerate's BatchSamplerShard) or none (no batches seen).")
+                              "(another sampler, e.g. accelerate's BatchSamplerShard), forward (no DataLoader: contents are the "
+                              "inputs of each step's first forward) or none.")
     contents: list[tuple[int, list[int]]] = Field(default_factory=list, description="--script: (epoch, a 63-bit hash of each "
                                                   "sample) of every batch the training loader yielded (.sample_hashes).")
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")

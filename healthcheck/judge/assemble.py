@@ -246,7 +246,9 @@ def builtin_shard_audit(
 
 def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence], *, script: bool) -> AuditOutcome:
     """The seeds audit on every rank's start-up facts and recorded RNG states."""
-    # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy).
+    # A script seeds python and numpy itself, or not at all (then each process drew from OS entropy). It may seed
+    # torch per rank on purpose too: nanoGPT draws each rank's batches from torch's generator, seeded 1337 + rank
+    # (DDP broadcasts rank 0's parameters; FSDP2's are compared before sharding by the sharded-state audit).
     entropy_seeded = ("python", "numpy") if script else ()
     return seed_audit(
         [
@@ -258,6 +260,7 @@ def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEviden
             for info, rank_evidence in zip(ranks, per_rank, strict=True)
         ],
         entropy_seeded=entropy_seeded,
+        seeded_per_rank=(*entropy_seeded, "torch") if script else (),
     )
 
 
@@ -292,8 +295,11 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     consumed = [rank_evidence.consumed for rank_evidence in per_rank]
     contents = [rank_evidence.contents for rank_evidence in per_rank]
     if not any(consumed):
-        if all(contents):  # an IterableDataset: fetched without indices, its samples are known by content
-            return content_shard_audit(contents)
+        # An IterableDataset fetched without indices, or no DataLoader at all: the samples are known by content. Not
+        # where the ranks differ in how (accelerate's dispatch: rank 0 reads every rank's batch, the others none).
+        sources = {rank_evidence.shard_source for rank_evidence in per_rank}
+        if all(contents) and len(sources) == 1:
+            return content_shard_audit(contents, by_forward=sources == {"forward"})
         return not_measured(
             "no DataLoader batches were seen on any rank: the script samples its data its own way, "
             "so shard overlap and order cannot be checked"

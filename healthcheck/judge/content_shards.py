@@ -12,7 +12,14 @@ epoch by epoch, up to where both got.
   pass, and are counted in the message: shards that overlap at their edges look like repeated rows from here, and
   only indices tell them apart.
 
-Neither order nor coverage is checked: without a sampler there is no plan to hold them to.
+Neither order nor coverage is checked: without a sampler there is no plan to hold them to. Where fewer than half of
+a rank's samples hash apart from each other (every sample truncated to a prompt template they share, one synthetic
+batch repeated), content tells no shard from another: *not measured*.
+
+A script that reads no DataLoader at all (nanoGPT's ``get_batch``: random offsets from torch's generator) is judged
+on the inputs of each step's first training forward, one "epoch" per step. Only the first rule applies there: with
+replacement, ranks drawing from a small dataset share samples by chance, while ranks drawing the same batch at every
+step share a generator (nanoGPT with its per-rank ``seed_offset`` left out).
 
     >>> a, b, c = [(0, [11, 12]), (0, [13, 14])], [(0, [21, 22]), (0, [23, 24])], [(0, [31, 32]), (0, [33, 34])]
     >>> content_shard_audit([a, b, c]).signature
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, partition_signature, ranks_phrase
+from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, not_measured, partition_signature, ranks_phrase
 from healthcheck.judge.shard_audit import flatten_epochs, shard_overlap
 from healthcheck.ranks import rank_span
 
@@ -34,22 +41,35 @@ from healthcheck.ranks import rank_span
 OVERLAP_LIMIT = 0.5
 
 
-def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]]) -> AuditOutcome:
-    """Judge the ranks' ``(epoch, sample hashes)`` batches; see the module's docstring."""
+def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]], by_forward: bool = False) -> AuditOutcome:
+    """Judge the ranks' ``(epoch, sample hashes)`` batches; see the module's docstring. ``by_forward``: the hashes
+    are of each step's first training forward's inputs, ``(step, hashes)``."""
     per_rank = [flatten_epochs(batches) for batches in contents]
     world = len(per_rank)
     totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
     shared = shard_overlap(per_rank)
     epochs = len({e for rank in per_rank for e in rank})
-    details = {"samples_per_rank": totals, "shared_per_rank": shared, "epochs": epochs, "plan": None, "by": "content"}
+    details = {"samples_per_rank": totals, "shared_per_rank": shared, "epochs": epochs, "plan": None,
+               "by": "forward inputs" if by_forward else "content"}
+    distinct = [sum(len(set(ids)) for ids in rank.values()) for rank in per_rank]
+    alike = [r for r in range(world) if 2 * distinct[r] < totals[r]]
+    if alike:  # a rank's own samples hash alike: truncated to a prefix they share (a prompt template), or synthetic
+        worst = alike[0]
+        return not_measured(
+            f"the samples of {ranks_phrase(alike)} are not told apart by their tokens ({ranks_phrase([worst])}: "
+            f"{distinct[worst]} distinct of {totals[worst]}: truncated to a prefix they share, or one batch repeated), "
+            "so which rank read which samples cannot be judged by content"
+        )
     groups = group_ranks(per_rank, same=same_prefix)
     repeated = [g for g in groups if len(g) > 1]
     if world > 1 and len(groups) == 1:
         everyone = tuple(range(world))
+        why = ("drew the same batch at every step (their generators are seeded alike" if by_forward
+               else "read one stream, in the same order (no rank kept its own part of the data")
         return AuditOutcome(
             False,
-            f"every rank trained on the same samples: {ranks_phrase(everyone)} read one stream, in the same order "
-            "(no rank kept its own part of the data: the effective batch collapsed to one rank's)",
+            f"every rank trained on the same samples: {ranks_phrase(everyone)} {why}: the effective batch collapsed "
+            "to one rank's)",
             "identical",
             everyone,
             details,
@@ -57,12 +77,25 @@ def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]])
     if repeated:
         named = tuple(sorted(r for g in repeated for r in g))
         pairs = "; ".join(f"{ranks_phrase(g)} trained on the same samples in the same order" for g in repeated)
+        why = ("they drew the same batch at every step (one of them seeded its generator as the other did: a rank "
+               "that computed its seed offset from the wrong rank)" if by_forward else "they read one part of the data "
+               "and another part went unread (one of them took the other's part: a rank that computed its part from "
+               "the wrong rank or world size)")
         return AuditOutcome(
             False,
-            f"{pairs}: they read one part of the data and another part went unread (one of them took the other's "
-            "part: a rank that computed its part from the wrong rank or world size)",
+            f"{pairs}: {why}",
             f"same-samples {partition_signature(groups)}",
             named,
+            details,
+        )
+    if by_forward:
+        return AuditOutcome(
+            True,
+            f"{ranks_phrase(range(world))} trained on different batches ({sum(totals)} samples over {epochs} "
+            f"step{'s' if epochs != 1 else ''}, told apart by the inputs of each step's first training forward: the "
+            "script reads no DataLoader, so neither overlap nor order was checked)",
+            "distinct-batches",
+            (),
             details,
         )
     over = [r for r in range(world) if totals[r] and shared[r] > OVERLAP_LIMIT * totals[r]]

@@ -37,7 +37,9 @@ GENERATOR_SEED = {"torch": "torch_seed", "cuda": "torch_seed", "python": "python
 # --------------------------------------------------------------------------- 2. seeds and RNG
 
 
-def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str] = ()) -> AuditOutcome:
+def seed_audit(
+    ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str] = (), seeded_per_rank: Optional[Sequence[str]] = None
+) -> AuditOutcome:
     """Do all ranks share their seeds and the RNG states they start training with?
 
     Each rank's mapping holds the seeds in :data:`SEED_FIELDS` (any subset) and optionally
@@ -57,8 +59,10 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     ``entropy_seeded`` names generators that start from OS entropy unless the code seeds them
     (python's and numpy's, in a script healthcheck did not seed). When their states differ on *every*
     rank, the script never seeded them: that is reported, not judged. Some ranks sharing a state
-    while others differ still fails: a rank that reseeded. Likewise their seeds: a seed that differs on
-    every rank is a script seeding per rank on purpose (its own augmentation per rank), reported, not judged.
+    while others differ still fails: a rank that reseeded. Likewise the seeds of ``seeded_per_rank`` (by default
+    ``entropy_seeded``): a seed that differs on every rank is a script seeding per rank on purpose (its own
+    augmentation per rank; nanoGPT's ``torch.manual_seed(1337 + ddp_rank)``, which draws each rank's batches), reported,
+    not judged, with the states that follow from it. Two ranks sharing a seed there still fail: one took the other's.
 
         >>> seed_audit([{"rng_start": {"numpy": str(r)}} for r in range(4)], entropy_seeded=("numpy",)).passed
         True
@@ -71,22 +75,27 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     world = len(ranks)
     everyone = list(range(world))
     details: dict[str, Any] = {f: [r[f] for r in ranks] for f in fields}
+    per_rank_ok = entropy_seeded if seeded_per_rank is None else seeded_per_rank
     for f in fields:
         groups = group_ranks([r[f] for r in ranks])
         generator = f.removesuffix("_seed")
-        if generator in entropy_seeded and len(groups) == world and world > 1:
+        if generator in per_rank_ok and len(groups) == world and world > 1:
             details.setdefault("seeded_per_rank", []).append(generator)
             continue
         if len(groups) > 1:
             noun = f.replace("_", " ")
             text = grouping_text(groups, lambda rank, f=f: ranks[rank][f], noun)
-            return AuditOutcome(False, text, f"{f} {partition_signature(groups)}", tuple(odd_ones_out(groups)), details)
+            named = odd_ones_out(groups)
+            if generator in per_rank_ok and 2 * len(groups[0]) <= world:  # no shared seed is the norm: who shares broke it
+                named = sorted(r for g in groups if len(g) > 1 for r in g)
+            return AuditOutcome(False, text, f"{f} {partition_signature(groups)}", tuple(named), details)
     drawn_apart: set[str] = set()
     for when, generators in (("rng_start", None), ("rng_after_first_step", ("python", "numpy"))):
         for generator in sorted({g for r in ranks for g in r.get(when, {})}):
             if generators is not None and generator not in generators:
                 continue
-            if generator in drawn_apart or generator in details.get("seeded_per_rank", ()):  # reported already
+            seeded_by = GENERATOR_SEED.get(generator, generator).removesuffix("_seed")  # cuda's state follows torch's seed
+            if generator in drawn_apart or seeded_by in details.get("seeded_per_rank", ()):  # reported already
                 continue
             groups = group_ranks([r.get(when, {}).get(generator) for r in ranks])
             if generator in entropy_seeded and len(groups) == world and world > 1:
@@ -108,7 +117,7 @@ def seed_audit(ranks: Sequence[Mapping[str, Any]], entropy_seeded: Sequence[str]
     unseeded = sorted(set(details.get("unseeded", ())))
     note = f" ({' and '.join(unseeded)} never seeded by the code: not judged)" if unseeded else ""
     if details.get("seeded_per_rank"):
-        note += f" ({' and '.join(details['seeded_per_rank'])} seeded per rank by the code: not judged)"
+        seed += f" other than {' and '.join(details['seeded_per_rank'])}'s (seeded per rank by the code: not judged)"
     states = " and identical RNG states after seeding"
     if details.get("drawn_apart"):
         states = (f"; their RNG states at the first training forward differ ({', '.join(details['drawn_apart'])}) under the "

@@ -328,6 +328,29 @@ def test_a_stream_that_shards_itself_is_judged_by_its_samples_tokens(tiny_llama,
         assert "ranks 1-2 trained on the same samples in the same order" in shards["message"], shards["message"]
 
 
+@pytest.mark.parametrize("bug, code", [("none", 0), ("same-seed", 1)])
+def test_a_nanogpt_style_loop_seeds_per_rank_and_is_judged_on_its_forwards_inputs(tiny_llama, tmp_path, bug, code):
+    # nanoGPT's train.py: no DataLoader, torch seeded 1337 + rank so that get_batch draws each rank's own offsets. That
+    # per-rank seed failed the seeds audit (exit 1, at step 0); the batches went unjudged. Without the offset every
+    # rank trains on the same batches, and only the inputs of each step's forward show it.
+    data = tmp_path / "train.bin"
+    client = str(CLIENTS / "nanogpt_style.py")
+    subprocess.run([sys.executable, client, "--prepare", "--model", str(tiny_llama), "--data", str(DATA), "--bin", str(data)],
+                   check=True, timeout=120)
+    out = tmp_path / "run"
+    done = run_cli("probe", "--script", client, "--out", str(out), "--audits-only", "--set", "distributed.nproc=4", "--set",
+                   "train.steps=3", "--", "--model", str(tiny_llama), "--bin", str(data), "--bug", bug)
+    assert done.returncode == code, done.stdout[-3000:] + done.stderr[-2000:]
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert audits["data_shards"]["measured"] and audits["data_shards"]["by"] == "forward inputs", audits["data_shards"]
+    if code == 0:
+        assert all(audit["passed"] for audit in audits.values()), {k: v["message"] for k, v in audits.items()}
+        assert "other than torch's (seeded per rank by the code: not judged)" in audits["seeds"]["message"]
+    else:
+        assert failed_ranks(out) == {"audit.data_shards": [0, 1, 2, 3]}, failed_ranks(out)
+        assert "drew the same batch at every step" in audits["data_shards"]["message"]
+
+
 def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_persistent_workers(tiny_llama, tmp_path):
     # One rank computes a sanity loss on its loader's first batch, in eval mode and with autograd on. It was failed
     # (exit 1) three ways: its peek read as an epoch repeating the order (a missing set_epoch), the peek's forward

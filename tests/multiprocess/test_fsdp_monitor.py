@@ -35,7 +35,7 @@ VOCAB, WIDTH, HIDDEN = 37, 16, 13
 SKETCH_DIM = 4096
 SKETCH_TOL = 4 * math.sqrt(2 / 4093)  # four standard deviations of the stated bound, p = 4093
 EXACT_TOL = 1e-5
-STEPS = 3
+STEPS = 2  # the second step starts from updated parameters, and reads the first step's overlapped gather
 # (direction, micro-batches, how they accumulate, overlap); "sync": set_requires_gradient_sync(False) on all
 # but the last; "every": FSDP2's default, a reduce-scatter per micro-batch.
 CASES = [

@@ -70,6 +70,9 @@ class LoaderRecorder:
     def __init__(self) -> None:
         self.loaders: dict[int, LoaderRecord] = {}
         self.steps = 0  #: optimizer steps done, kept by the session
+        #: (step, sample hashes) of each step's first training forward's inputs: what a script that reads no
+        #: DataLoader (nanoGPT's ``get_batch``) is judged on (:meth:`on_step_inputs`).
+        self.forward_contents: list[tuple[int, list[int]]] = []
 
     def on_fetch(self, iterator: Any, indices: Any) -> None:
         """Record one batch of indices under its iterator's epoch.
@@ -134,6 +137,12 @@ class LoaderRecorder:
             record.contents.append((epoch, hashes))
             record.hash_count += len(hashes)
 
+    def on_step_inputs(self, step: int, batch: Any) -> None:
+        """Hash the samples of the inputs a step's first training forward ran on (the replay's kept batch)."""
+        hashes = sample_hashes(batch) if batch is not None and len(self.forward_contents) * 64 < _MAX_HASHES else None
+        if hashes:
+            self.forward_contents.append((step, hashes))
+
     def training_loader(self) -> Optional[LoaderRecord]:
         """The loader the probe trained on: the one that fetched the most samples (evaluation loaders
         fetch few or none within a probe's steps)."""
@@ -143,11 +152,11 @@ class LoaderRecorder:
         """The training loader's fields of a rank's :class:`~healthcheck.artifacts.RankEvidence` so far.
 
         >>> LoaderRecorder().evidence()  # no batch seen: the script samples its own way
-        {'consumed': [], 'shard_source': 'none'}
+        {'consumed': [], 'shard_source': 'none', 'contents': []}
         """
         loader = self.training_loader()
-        if loader is None:
-            return {"consumed": [], "shard_source": "none"}
+        if loader is None:  # what each step's first forward ran on, if anything
+            return {"consumed": [], "shard_source": "forward" if self.forward_contents else "none", "contents": list(self.forward_contents)}
         return {
             "consumed": list(loader.batches),
             "contents": list(loader.contents) if loader.hashed else [],

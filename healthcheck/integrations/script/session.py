@@ -246,6 +246,8 @@ class ScriptSession:
         self.skip.cancel()  # the scaler skipped another optimizer on these gradients: this update is under way
         step = self.steps_done
         self.hooks.beat(step, "sync")
+        if self._keeper is not None:  # before the start's gather: a script reading no DataLoader is judged at step 0
+            self.loaders.on_step_inputs(step, self._keeper.batch)
         if step == 0:
             if self.fsdp.root is self.model:
                 self.fsdp.at_first_update()  # collective: a rank that is not at this step stops every rank

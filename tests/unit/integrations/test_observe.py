@@ -357,3 +357,14 @@ def test_a_batch_without_a_cpu_tensor_leaves_the_loader_unhashed():
         patches.restore()
     record = session.loaders.training_loader()
     assert not record.hashed and record.contents == [] and session.loaders.evidence()["contents"] == []
+
+
+def test_each_steps_forward_inputs_are_the_evidence_where_no_dataloader_ran():
+    recorder = loaders.LoaderRecorder()
+    ids = torch.arange(12).reshape(3, 4)
+    recorder.on_step_inputs(0, {"input_ids": ids})
+    recorder.on_step_inputs(1, {"__arg0": ids + 1})  # called positionally: model(x)
+    recorder.on_step_inputs(2, None)  # no training forward kept: nothing to hash
+    evidence = recorder.evidence()
+    assert evidence["shard_source"] == "forward" and [step for step, _ in evidence["contents"]] == [0, 1]
+    assert len(evidence["contents"][0][1]) == 3 and evidence["contents"][0][1] != evidence["contents"][1][1]

@@ -196,7 +196,18 @@ def test_a_python_state_drawn_apart_under_a_known_seed_is_reported_and_an_unknow
     for r, rank in enumerate(ranks):
         rank["python_seed"], rank["rng_start"]["python"], rank["rng_after_first_step"]["python"] = 100 + r, f"p{r}", f"q{r}"
     outcome = seed_audit(ranks, entropy_seeded=("python", "numpy"))
-    assert outcome.passed and outcome.message.endswith("(python seeded per rank by the code: not judged)"), outcome.message
+    assert outcome.passed and "seed 42 other than python's (seeded per rank by the code: not judged)" in outcome.message
+    # torch's too where the caller says so (a script: nanoGPT seeds 1337 + rank), the cuda state following it.
+    for r, rank in enumerate(ranks):
+        rank["torch_seed"], rank["rng_start"]["torch"], rank["rng_start"]["cuda"] = 1337 + r, f"t{r}", f"c{r}"
+    assert not seed_audit(ranks, entropy_seeded=("python", "numpy")).passed  # torch's seed per rank: judged by default
+    outcome = seed_audit(ranks, entropy_seeded=("python", "numpy"), seeded_per_rank=("python", "numpy", "torch"))
+    assert outcome.passed and "other than torch and python's" in outcome.message, outcome.message
+    ranks[1]["torch_seed"] = 1337  # rank 1 took rank 0's: they draw the same batches
+    outcome = seed_audit(ranks, entropy_seeded=("python", "numpy"), seeded_per_rank=("python", "numpy", "torch"))
+    assert not outcome.passed and outcome.signature == "torch_seed 0-1|2|3", outcome.signature
+    assert outcome.ranks == (0, 1), outcome.ranks  # not ranks 2 and 3, which kept seeds of their own
+    ranks[1]["torch_seed"] = 1338
     ranks[3]["python_seed"] = 100  # ... but rank 3 sharing rank 0's seed is not
     assert not seed_audit(ranks, entropy_seeded=("python", "numpy")).passed
     # Drawn apart only during the first step, its start state shared: still judged (training draws nothing there).

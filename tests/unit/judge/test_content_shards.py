@@ -60,3 +60,25 @@ def test_half_of_a_ranks_samples_shared_is_not_yet_an_overlap():
     assert content_shard_audit(ranks).passed
     ranks[1] = [(0, ROWS[3:11])]  # 5 of 8
     assert content_shard_audit(ranks).ranks == (0, 1)
+
+
+def test_a_script_without_a_dataloader_is_judged_on_its_forwards_inputs_step_by_step():
+    # nanoGPT's get_batch: random offsets with replacement. On a small dataset ranks share samples by chance, so
+    # only ranks drawing the same batch at every step fail.
+    small = ROWS[:12]
+    draws = [[(step, random.Random(100 * r + step).choices(small, k=4)) for step in range(6)] for r in range(4)]
+    outcome = content_shard_audit(draws, by_forward=True)
+    assert outcome.passed and outcome.details["by"] == "forward inputs" and "over 6 steps" in outcome.message
+    assert not content_shard_audit(draws).passed  # judged as a loader's epochs, the chance overlap would fail
+    draws[3] = draws[0]  # rank 3 seeded its generator as rank 0 did
+    outcome = content_shard_audit(draws, by_forward=True)
+    assert outcome.ranks == (0, 3) and "drew the same batch at every step" in outcome.message
+    assert content_shard_audit([draws[0]] * 4, by_forward=True).signature == "identical"
+
+
+def test_samples_that_hash_alike_within_a_rank_are_not_judged():
+    # Every sample truncated to the prompt template they share (or one synthetic batch): equal hashes everywhere
+    # would read as every rank reading one stream.
+    template = [(0, [ROWS[0]] * 4)] * 5
+    outcome = content_shard_audit([template] * 4)
+    assert outcome.passed and not outcome.measured and "the samples of ranks 0-3 are not told apart" in outcome.message
