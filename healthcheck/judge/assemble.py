@@ -265,7 +265,14 @@ def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEviden
 
 
 def environment_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence]) -> AuditOutcome:
-    """The environment audit: versions, variables, device name, precision and the recorded extras."""
+    """The environment audit: versions, variables, device name, precision and the recorded extras.
+
+    A DataLoader's settings (``data.*``) are compared only where every rank read one. Under accelerate's
+    ``dispatch_batches`` (its default for an ``IterableDataset``: the Trainer's, TRL's) rank 0 alone reads, every
+    rank's batch at once, and sends each its part: the others have no DataLoader, by design, and were failed for it.
+    """
+    readers = [any(key.startswith("data.") for key in rank_evidence.extra) for rank_evidence in per_rank]
+    compared = all(readers) or not any(readers)
     return environment_audit(
         [
             {
@@ -273,7 +280,7 @@ def environment_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[Rank
                 "env": info.env,
                 "device_name": info.device_name,
                 "precision": info.precision,
-                **rank_evidence.extra,
+                **{key: value for key, value in rank_evidence.extra.items() if compared or not key.startswith("data.")},
             }
             for info, rank_evidence in zip(ranks, per_rank, strict=True)
         ]
@@ -297,9 +304,16 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     if not any(consumed):
         # An IterableDataset fetched without indices, or no DataLoader at all: the samples are known by content. Not
         # where the ranks differ in how (accelerate's dispatch: rank 0 reads every rank's batch, the others none).
-        sources = {rank_evidence.shard_source for rank_evidence in per_rank}
-        if all(contents) and len(sources) == 1:
-            return content_shard_audit(contents, by_forward=sources == {"forward"})
+        sources = [rank_evidence.shard_source for rank_evidence in per_rank]
+        if all(contents) and len(set(sources)) == 1:
+            return content_shard_audit(contents, by_forward=sources[0] == "forward")
+        readers = [rank for rank, source in enumerate(sources) if source == "loader"]
+        if readers:
+            return not_measured(
+                f"only {ranks_phrase(readers)} fetched from a DataLoader (accelerate's dispatch_batches, its default for an "
+                "IterableDataset: rank 0 reads every rank's batch and sends each its part), so the ranks' samples "
+                "cannot be compared"
+            )
         return not_measured(
             "no DataLoader batches were seen on any rank: the script samples its data its own way, "
             "so shard overlap and order cannot be checked"

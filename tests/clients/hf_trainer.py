@@ -69,6 +69,9 @@ def main():
     ap.add_argument("--neftune-rank", type=int, default=-1, help="this rank trains with neftune_noise_alpha=5")
     ap.add_argument("--sampling", default="random", help="train_sampling_strategy: random, sequential, group_by_length")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (peft), the base frozen")
+    ap.add_argument("--stream", choices=["no", "dispatch", "shard"], default="no",
+                    help="datasets' to_iterable_dataset(): accelerate's default for it (rank 0 reads and dispatches every "
+                         "rank's batch) or dispatch_batches=False (each rank skips to its own)")
     ap.add_argument("--lora-alpha-rank", type=int, default=-1, help="with --lora: this rank scales its adapters twice as much")
     args = ap.parse_args()
 
@@ -92,9 +95,12 @@ def main():
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ([-100] * len(p) + c)[: args.max_len]}
 
     ds = Dataset.from_list([encode(r) for r in rows])
+    if args.stream != "no":
+        ds = ds.to_iterable_dataset(num_shards=4)
 
     def collate(features):
-        n = max(len(x["input_ids"]) for x in features)
+        # accelerate's dispatch concatenates every rank's batch: they must share a shape, so pad to max_len there.
+        n = args.max_len if args.stream == "dispatch" else max(len(x["input_ids"]) for x in features)
         out = {k: torch.full((len(features), n), v, dtype=torch.long)
                for k, v in (("input_ids", tok.pad_token_id), ("attention_mask", 0), ("labels", -100))}
         for i, x in enumerate(features):
@@ -124,6 +130,7 @@ def main():
         label_smoothing_factor=args.label_smoothing,
         train_sampling_strategy=args.sampling,
         neftune_noise_alpha=5.0 if int(os.environ.get("RANK", 0)) == args.neftune_rank else None,
+        **({"accelerator_config": {"dispatch_batches": False}} if args.stream == "shard" else {}),
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))

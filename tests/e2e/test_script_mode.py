@@ -351,6 +351,18 @@ def test_a_nanogpt_style_loop_seeds_per_rank_and_is_judged_on_its_forwards_input
         assert "drew the same batch at every step" in audits["data_shards"]["message"]
 
 
+def test_a_trainer_on_a_stream_passes_under_accelerates_dispatch(tiny_llama, tmp_path):
+    # transformers.Trainer on datasets' to_iterable_dataset(): accelerate's default dispatches (rank 0 reads every
+    # rank's batch). The other ranks' missing DataLoader settings failed the environment audit (exit 1).
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                               script_args=("--stream", "dispatch")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert all(audit["passed"] for audit in audits.values()), {k: v["message"] for k, v in audits.items()}
+    assert audits["data_shards"]["message"].startswith("not measured: only rank 0 fetched from a DataLoader")
+
+
 def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_persistent_workers(tiny_llama, tmp_path):
     # One rank computes a sanity loss on its loader's first batch, in eval mode and with autograd on. It was failed
     # (exit 1) three ways: its peek read as an epoch repeating the order (a missing set_epoch), the peek's forward

@@ -38,6 +38,23 @@ def test_no_batches_is_not_measured():
     assert outcome.passed and not outcome.measured and outcome.message.startswith("not measured")
 
 
+def test_accelerates_dispatch_is_neither_an_environment_difference_nor_a_shard_verdict():
+    # Rank 0 reads every rank's batch from one DataLoader and sends each its part; the others read none.
+    from healthcheck.artifacts import RankInfo
+    from healthcheck.judge.assemble import environment_from_evidence
+
+    info = [RankInfo(rank=r, local_rank=r, node="n", device="cpu", device_name="cpu", precision="fp32") for r in range(3)]
+    settings = {"data.batch_size": "2", "data.drop_last": "False", "optimizer.lr": "0.001"}
+    dispatched = [RankEvidence(extra=settings if r == 0 else {"optimizer.lr": "0.001"}, shard_source="loader" if r == 0 else "forward",
+                               contents=[(0, [10 * r + 1, 10 * r + 2])]) for r in range(3)]
+    assert environment_from_evidence(info, dispatched).passed
+    outcome = script_shard_audit(dispatched)
+    assert not outcome.measured and outcome.message.startswith("not measured: only rank 0 fetched from a DataLoader")
+    # Every rank with a DataLoader: their settings are compared, and one of its own is named.
+    own = [evidence.model_copy(update={"extra": {**settings, "data.batch_size": "4" if r == 2 else "2"}}) for r, evidence in enumerate(dispatched)]
+    assert environment_from_evidence(info, own).ranks == (2,)
+
+
 def with_digest(rank_evidence: RankEvidence, digest: str) -> RankEvidence:
     return rank_evidence.model_copy(update={"dataset_digest": digest})
 
