@@ -51,7 +51,8 @@ def test_accelerates_dispatch_is_neither_an_environment_difference_nor_a_shard_v
     outcome = script_shard_audit(dispatched)
     assert not outcome.measured and outcome.message.startswith("not measured: only rank 0 fetched from a DataLoader")
     # Every rank with a DataLoader: their settings are compared, and one of its own is named.
-    own = [evidence.model_copy(update={"extra": {**settings, "data.batch_size": "4" if r == 2 else "2"}}) for r, evidence in enumerate(dispatched)]
+    own = [evidence.model_copy(update={"extra": {**settings, "data.batch_size": "4" if r == 2 else "2"}})
+           for r, evidence in enumerate(dispatched)]
     assert environment_from_evidence(info, own).ranks == (2,)
 
 
