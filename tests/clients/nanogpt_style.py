@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--compile", default=None, help="torch.compile the model before DDP with this backend (nanoGPT: inductor)")
     ap.add_argument("--bug", default="none")
     args = ap.parse_args()
     if args.prepare:
@@ -80,7 +81,10 @@ def main():
         y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + args.block_size].astype(np.int64)) for i in ix])
         return x, y
 
-    model = DDP(AutoModelForCausalLM.from_pretrained(args.model))
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)
+    model = DDP(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
