@@ -17,6 +17,10 @@ large model's are.
 ``--clip N``: clip the gradient norm to N before each update (the default 0 does not clip). ``--amp-scale S``: fp16
 autocast and a ``torch.amp.GradScaler`` starting at S (PyTorch's AMP recipe; unscaled before clipping).
 
+``--stream``: the data as torchtitan reads it, a ``datasets`` IterableDataset (``to_iterable_dataset``) each rank
+keeps its part of with ``datasets.distributed.split_dataset_by_node``; no sampler. Its bug ``stream-rank=R``: rank R
+keeps the part of rank R+1 (a node whose rank was read from the wrong variable).
+
 ``--bug`` (comma-separated): ``loss-x2-rank=R``: rank R multiplies its loss by 2. ``stale-weights-rank=R``: rank R's
 copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
 ``bf16-except-rank=R``: FSDP2 computes in bf16 on every rank but R (fp32): FSDP2's first all-gather breaks.
@@ -109,6 +113,7 @@ def main():
     ap.add_argument("--amp-scale", type=float, default=0.0)
     ap.add_argument("--loss-times", type=float, default=1.0, help="every rank's loss (so every gradient) times this")
     ap.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warmup from 0 over this many steps (LambdaLR)")
+    ap.add_argument("--stream", action="store_true", help="a datasets IterableDataset split with split_dataset_by_node")
     ap.add_argument("--hsdp", type=int, default=0, metavar="R",
                     help="HSDP: a (R replicas x world/R shards) device mesh, as torchtitan's data_parallel_replicate_degree")
     ap.add_argument("--reduce-dtype", choices=("fp16", "bf16"), default=None,
@@ -141,8 +146,19 @@ def main():
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
-    sampler = DistributedSampler(ds, seed=args.seed)
-    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
+    if args.stream:  # torchtitan's way: each rank keeps its part of one stream
+        from datasets import Dataset as HFDataset
+        from datasets.distributed import split_dataset_by_node
+
+        world = dist.get_world_size()
+        part = (rank + 1) % world if bugs.get("stream-rank") == rank else rank
+        stream = HFDataset.from_list([{"ids": ids, "labels": lab} for ids, lab in ds.items]).to_iterable_dataset(num_shards=world)
+        mine = split_dataset_by_node(stream, rank=part, world_size=world).map(lambda row: {"pair": (row["ids"], row["labels"])})
+        collate = collate_with(tok.pad_token_id)
+        loader = DataLoader(mine, batch_size=args.batch_size, collate_fn=lambda rows: collate([row["pair"] for row in rows]))
+    else:
+        sampler = DistributedSampler(ds, seed=args.seed)
+        loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     warmup = args.warmup * (2 if bugs.get("warmup-rank") == rank else 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup)) if warmup else None
@@ -156,7 +172,8 @@ def main():
 
     step, epoch, micro = 0, 0, []
     while step < args.steps:
-        sampler.set_epoch(epoch)
+        if not args.stream:
+            sampler.set_epoch(epoch)
         for input_ids, labels in loader:
             micro.append((input_ids, labels))
             if len(micro) < args.accum + (bugs.get("accum-rank") == rank):

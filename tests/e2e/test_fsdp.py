@@ -247,3 +247,15 @@ def test_a_straggler_under_fsdp2_is_named_though_every_collective_waits_for_it(t
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     failed = failed_ranks(out)
     assert failed == {"audit.stragglers": [6]}, failed
+
+
+def test_a_torchtitan_style_stream_rank_reading_another_part_is_named_with_it(tiny_llama, tmp_path):  # noqa: F811
+    # datasets' IterableDataset split with split_dataset_by_node, as torchtitan reads its data: no index names a
+    # sample, and the wrong part on rank 2 was not measured (or, with a batch size, an int(None) in the script's loop).
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               script_args=("--stream", "--bug", "stream-rank=2")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.data_shards": [2, 3]}, failed_ranks(out)
+    shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
+    assert shards["by"] == "content" and shards["message"].startswith("ranks 2-3 trained on the same samples"), shards
