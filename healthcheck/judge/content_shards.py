@@ -12,6 +12,10 @@ epoch by epoch, up to where both got.
   pass, and are counted in the message: shards that overlap at their edges look like repeated rows from here, and
   only indices tell them apart.
 
+* A rank whose batches repeat the one before, again and again (a third of them at least), reads an IterableDataset
+  through several DataLoader workers that each yield all of it (torch's documented pitfall: the dataset must split
+  its data by ``get_worker_info()``). Every rank does so alike, so no statistic shows it.
+
 Neither order nor coverage is checked: without a sampler there is no plan to hold them to. Where fewer than half of
 a rank's samples hash apart from each other (every sample truncated to a prompt template they share, one synthetic
 batch repeated), content tells no shard from another: *not measured*.
@@ -51,14 +55,30 @@ def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]],
     epochs = len({e for rank in per_rank for e in rank})
     details = {"samples_per_rank": totals, "shared_per_rank": shared, "epochs": epochs, "plan": None,
                "by": "forward inputs" if by_forward else "content"}
-    distinct = [sum(len(set(ids)) for ids in rank.values()) for rank in per_rank]
-    alike = [r for r in range(world) if 2 * distinct[r] < totals[r]]
-    if alike:  # a rank's own samples hash alike: truncated to a prefix they share (a prompt template), or synthetic
+    # A rank whose samples hash alike within its batches (each truncated to a prompt template they share, a synthetic
+    # batch) or within its epochs (a short stream that starts over) leaves content nothing to tell shards apart by.
+    in_batches = [sum(len(set(hashes)) for _, hashes in batches) for batches in contents]
+    in_epochs = [sum(len(set(ids)) for ids in rank.values()) for rank in per_rank]
+    repeats = [adjacent_repeats(batches) for batches in contents]
+    doubled = [r for r in range(world) if not by_forward and repeats[r] >= 2 and 3 * repeats[r] >= len(contents[r]) - 1]
+    alike = [r for r in range(world) if 2 * in_batches[r] < totals[r] or (2 * in_epochs[r] < totals[r] and r not in doubled)]
+    if alike:
         worst = alike[0]
         return not_measured(
             f"the samples of {ranks_phrase(alike)} are not told apart by their tokens ({ranks_phrase([worst])}: "
-            f"{distinct[worst]} distinct of {totals[worst]}: truncated to a prefix they share, or one batch repeated), "
+            f"{in_epochs[worst]} distinct of {totals[worst]}: truncated to a prefix they share, or one batch repeated), "
             "so which rank read which samples cannot be judged by content"
+        )
+    if doubled:
+        worst = max(doubled, key=lambda r: (repeats[r], -r))
+        return AuditOutcome(
+            False,
+            f"{ranks_phrase(doubled)} trained on the same batch twice in a row, again and again ({ranks_phrase([worst])}: "
+            f"{repeats[worst]} of its {len(contents[worst])} batches repeat the one before): an IterableDataset read by "
+            "several DataLoader workers that does not split its data by get_worker_info(), so each worker yields all of it",
+            f"repeated-batches {rank_span(doubled)}",
+            tuple(doubled),
+            details,
         )
     groups = group_ranks(per_rank, same=same_prefix)
     repeated = [g for g in groups if len(g) > 1]
@@ -119,6 +139,18 @@ def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]],
         (),
         details,
     )
+
+
+def adjacent_repeats(batches: Sequence[tuple[int, Sequence[int]]]) -> int:
+    """How many batches are, sample for sample, the batch fetched just before them in the same epoch. A DataLoader
+    delivers its workers' batches in turn, so ``k`` workers that each yield the whole stream repeat every batch
+    ``k - 1`` times in a row; a healthy stream never does, and one that starts over repeats a batch only a pass later.
+
+    >>> adjacent_repeats([(0, [1, 2]), (0, [1, 2]), (0, [3, 4]), (0, [3, 4]), (1, [3, 4])])
+    2
+    """
+    pairs = zip(batches[:-1], batches[1:], strict=True)
+    return sum(1 for before, batch in pairs if before[0] == batch[0] and list(before[1]) == list(batch[1]))
 
 
 def same_prefix(mine: Mapping[int, Sequence[int]], theirs: Mapping[int, Sequence[int]]) -> bool:

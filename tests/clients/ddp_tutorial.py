@@ -31,7 +31,9 @@ an example it picks with ``random.choice`` (python's generator, which ``--set-se
 ``--stream`` reads the data as a stream instead: an ``IterableDataset`` that keeps every ``WORLD_SIZE``-th sample
 from its rank on, as a streaming pipeline shards itself (no sampler, no indices). Its bugs: ``stream-unsharded``
 (no rank keeps its own part: every rank reads the whole stream) and ``stream-shard-rank=R`` (rank R keeps the part
-of rank R+1, as a node whose RANK is read from the wrong variable would).
+of rank R+1, as a node whose RANK is read from the wrong variable would) and ``stream-no-worker-split`` (the stream
+ignores ``get_worker_info()``: with ``--workers 2`` each DataLoader worker yields the rank's whole part, torch's
+documented pitfall).
 
 ``--muon`` trains as nanochat does, with two optimizers stepped one after the other: ``torch.optim.Muon`` for the
 decoder's 2-D weight matrices and AdamW for the embeddings, the head and the norms. With it, the bug
@@ -88,12 +90,12 @@ class AlpacaStream(IterableDataset):
     """The samples of an AlpacaDataset as a stream: every ``world``-th one from ``part`` on (each DataLoader worker
     keeps its own share of those)."""
 
-    def __init__(self, dataset, part, world):
-        self.dataset, self.part, self.world = dataset, part, world
+    def __init__(self, dataset, part, world, split_workers=True):
+        self.dataset, self.part, self.world, self.split_workers = dataset, part, world, split_workers
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        workers, worker = (info.num_workers, info.id) if info and self.split_workers else (1, 0)
         mine = range(self.part, len(self.dataset), self.world)
         return (self.dataset[i] for n, i in enumerate(mine) if n % workers == worker)
 
@@ -195,7 +197,7 @@ def main():
     ap.add_argument("--bug", default="none",
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
-                         "no-zero-grad-rank=R, stream-unsharded, stream-shard-rank=R, "
+                         "no-zero-grad-rank=R, stream-unsharded, stream-shard-rank=R, stream-no-worker-split, "
                          "matmul-medium-rank=R or slow-rank=R; several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
@@ -234,7 +236,7 @@ def main():
             part, parts = 0, 1
         else:
             part, parts = ((rank + 1) % world if faulted("stream-shard-rank") else rank), world
-        ds, sampler = AlpacaStream(ds, part, parts), None
+        ds, sampler = AlpacaStream(ds, part, parts, split_workers="stream-no-worker-split" not in bugs), None
     elif args.split_by_node:
         # Each rank keeps its own part of the data (datasets' documented way), then shuffles it like the others.
         from datasets import Dataset as HFDataset

@@ -312,20 +312,23 @@ def test_a_script_that_splits_its_data_per_rank_is_not_failed_for_equal_indices(
     # through a DataLoader worker, as a streaming pipeline is, it passes on what the ranks trained on.
     (("--workers", "1"), 0, ()),
     (("--bug", "stream-shard-rank=1"), 1, (1, 2)),  # rank 1 reads rank 2's part: both named, the hashes can't say which moved
+    # Two workers, each yielding the rank's whole part (no get_worker_info split): every batch twice, on every rank.
+    (("--workers", "2", "--bug", "stream-no-worker-split"), 1, (0, 1, 2, 3)),
 ])
 def test_a_stream_that_shards_itself_is_judged_by_its_samples_tokens(tiny_llama, tmp_path, script_args, code, named):
     out = tmp_path / "run"
-    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=3 + 2 * ("--workers" in script_args),
                                script_args=("--stream", *script_args)))
     assert done.returncode == code, done.stdout[-3000:] + done.stderr[-2000:]
     shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
     assert shards["measured"] and shards["by"] == "content" and tuple(shards["ranks"]) == named, shards
     if code == 0:
-        assert shards["samples_per_rank"] == [12] * 4, shards
-        assert shards["message"].startswith("ranks 0-3 trained on different samples (48 samples"), shards["message"]
+        assert shards["samples_per_rank"] == [20] * 4, shards
+        assert shards["message"].startswith("ranks 0-3 trained on different samples (80 samples"), shards["message"]
     else:
         assert failed_ranks(out) == {"audit.data_shards": list(named)}, failed_ranks(out)
-        assert "ranks 1-2 trained on the same samples in the same order" in shards["message"], shards["message"]
+        expected = "trained on the same batch twice in a row" if len(named) == 4 else "ranks 1-2 trained on the same samples"
+        assert expected in shards["message"], shards["message"]
 
 
 @pytest.mark.parametrize("bug, code", [("none", 0), ("same-seed", 1)])

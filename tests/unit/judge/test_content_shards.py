@@ -82,3 +82,19 @@ def test_samples_that_hash_alike_within_a_rank_are_not_judged():
     template = [(0, [ROWS[0]] * 4)] * 5
     outcome = content_shard_audit([template] * 4)
     assert outcome.passed and not outcome.measured and "the samples of ranks 0-3 are not told apart" in outcome.message
+
+
+def test_a_stream_that_every_dataloader_worker_reads_whole_repeats_each_batch():
+    # torch's documented pitfall: an IterableDataset under 2 workers that does not split by get_worker_info().
+    ranks = _stream(ROWS, 4, steps=4)
+    twice = [[batch for batch in batches for _ in range(2)] for batches in ranks]
+    outcome = content_shard_audit(twice)
+    assert not outcome.passed and outcome.signature == "repeated-batches 0-3", outcome.message
+    assert "rank 0: 4 of its 8 batches repeat the one before" in outcome.message
+    thrice = [[batch for batch in batches for _ in range(3)] for batches in ranks]  # 3 workers: a third distinct
+    assert content_shard_audit(thrice).signature == "repeated-batches 0-3"
+    # A short stream that starts over within an epoch repeats a batch a pass later, not in a row.
+    cycling = [batches * 3 for batches in ranks]
+    assert not content_shard_audit(cycling).measured
+    # A forward's inputs come one batch a step: a batch trained on again is no worker pitfall there.
+    assert content_shard_audit(twice, by_forward=True).signature != "repeated-batches 0-3"
