@@ -129,12 +129,12 @@ def content_shard_audit(contents: Sequence[Sequence[tuple[int, Sequence[int]]]],
             tuple(over),
             details,
         )
-    repeats = f"; {sum(shared)} samples were read by more than one rank (rows the data repeats, or shards overlapping at their edges)"
+    common = f"; {sum(shared)} samples were read by more than one rank (rows the data repeats, or shards overlapping at their edges)"
     return AuditOutcome(
         True,
         f"{ranks_phrase(range(world))} trained on different samples ({sum(totals)} samples over {epochs} "
         f"epoch{'s' if epochs != 1 else ''}, told apart by content: no index names them, so neither order nor "
-        f"coverage was checked){repeats if any(shared) else ''}",
+        f"coverage was checked){common if any(shared) else ''}",
         "disjoint",
         (),
         details,
