@@ -139,7 +139,8 @@ class LoaderRecorder:
 
     def on_step_inputs(self, step: int, batch: Any) -> None:
         """Hash the samples of the inputs a step's first training forward ran on (the replay's kept batch)."""
-        hashes = sample_hashes(batch) if batch is not None and len(self.forward_contents) * 64 < _MAX_HASHES else None
+        kept = sum(len(hashes) for _, hashes in self.forward_contents)  # a few dozen steps: cheap to count again
+        hashes = sample_hashes(batch) if batch is not None and kept < _MAX_HASHES else None
         if hashes:
             self.forward_contents.append((step, hashes))
 
