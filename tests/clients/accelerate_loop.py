@@ -18,7 +18,7 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,12 +41,16 @@ def main():
     ap.add_argument("--comm-hook", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
     ap.add_argument("--comm-wrapper", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
     ap.add_argument("--power-sgd-start", type=int, default=None)
+    ap.add_argument("--stream", action="store_true",
+                    help="the examples as an IterableDataset; dispatch_batches=False, so each rank keeps its slice of "
+                         "every global batch (accelerate's IterableDatasetShard): dispatching needs equal-sized batches")
     args = ap.parse_args()
 
     state = {} if args.power_sgd_start is None else {"start_powerSGD_iter": args.power_sgd_start}
     ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook),
                                                comm_wrapper=DDPCommunicationHookType(args.comm_wrapper), comm_state_option=state)
-    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs])
+    loading = DataLoaderConfiguration(dispatch_batches=False) if args.stream else DataLoaderConfiguration()
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs], dataloader_config=loading)
     set_seed(1234)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -69,7 +73,14 @@ def main():
             attn[i, : len(ids)] = 1
         return {"input_ids": input_ids, "attention_mask": attn, "labels": labels}
 
-    loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
+    if args.stream:
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(examples)
+
+        loader = DataLoader(Stream(), batch_size=args.batch_size, collate_fn=collate)
+    else:
+        loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
