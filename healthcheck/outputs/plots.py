@@ -134,9 +134,19 @@ def draw_loss(
     ax.set_title(f"{result.name} — {label}\nglobal mean loss vs per-rank spread ({len(per_rank)} ranks)")
     ax.grid(alpha=0.3)
     if xs:
-        ax.set_xlim(xs[0], xs[-1])
+        ax.set_xlim(*_step_span(xs))
         _mark_stop(ax, result, xs[-1])
     ax.legend(loc="upper right", fontsize=9)
+
+
+def _step_span(steps: Sequence[int]) -> tuple[float, float]:
+    """The x range of the plotted steps. One step alone (a probe stopped at its first) gets half a step each side:
+    equal limits made matplotlib warn on the user's terminal.
+
+    >>> _step_span([3, 4, 9]), _step_span([2])
+    ((3, 9), (1.5, 2.5))
+    """
+    return (steps[0], steps[-1]) if steps[-1] > steps[0] else (steps[0] - 0.5, steps[0] + 0.5)
 
 
 def draw_dispersion(fig: Any, result: RunResult, verdict: Optional[Verdict], aggregates: Sequence[Mapping[str, Any]], label: str) -> None:
@@ -159,7 +169,7 @@ def draw_dispersion(fig: Any, result: RunResult, verdict: Optional[Verdict], agg
                     spine.set(color=_BAD, linewidth=1.6)
         ax.margins(y=0.12)
         if xs_all:
-            ax.set_xlim(xs_all[0], xs_all[-1])
+            ax.set_xlim(*_step_span(xs_all))
             _mark_stop(ax, result, xs_all[-1])
         ax.set_ylabel(_PANEL_YLABELS.get(key, key))
         ax.grid(alpha=0.3)

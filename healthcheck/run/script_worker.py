@@ -136,7 +136,8 @@ class _ScriptRun:
             self._close()
             hdist.destroy_distributed()
         if not session.complete:
-            raise ScriptEnded(_ended_early(session.steps_done, self.config.train.steps, ended, session.model is not None))
+            raise ScriptEnded(_ended_early(session.steps_done, self.config.train.steps, ended, session.model is not None,
+                                           skipped=session.scales.skips))
         return session.report
 
     # ------------------------------------------------------------------ hooks
@@ -179,18 +180,33 @@ class _ScriptRun:
                 writer.close()
 
 
-def _ended_early(done: int, planned: int, how: str, built_ddp: bool) -> str:
-    """Why a script that stopped on its own is a probe that could not finish.
+def _ended_early(done: int, planned: int, how: str, built_ddp: bool, skipped: int = 0) -> str:
+    """Why a script that stopped on its own is a probe that could not finish. ``skipped``: the updates its GradScaler
+    skipped whole since the last probe step. Many in a row are the cause, not too little data: an inf or NaN gradient
+    at every update (a rank whose gradients overflow at every step spreads its inf to every rank through the
+    all-reduce, and every rank's scaler then skips), which more steps would not end.
 
     >>> _ended_early(0, 60, "returned", built_ddp=False)
     'the script returned without stepping an optimizer on a DistributedDataParallel model (the probe needs 60 steps)'
     >>> _ended_early(12, 60, "returned", built_ddp=True)
     "the script returned after 12 of the probe's 60 optimizer steps; give it more data or steps (or lower train.steps)"
+    >>> _ended_early(2, 6, "returned", built_ddp=True, skipped=38).split("; ")[1]
+    'its GradScaler skipped the last 38 updates whole: an inf or NaN gradient at every one'
     """
+    if skipped >= _SKIPS_NAMED:
+        return (f"the script {how} after {done} of the probe's {planned} optimizer steps; its GradScaler skipped the last "
+                f"{skipped} updates whole: an inf or NaN gradient at every one; a rank whose gradients overflow at every "
+                "step (a device that computes wrong in fp16) makes every rank skip, as does a loss scale still falling "
+                "from too high a start")
     if done == 0:
         what = "" if built_ddp else " on a DistributedDataParallel model"
         return f"the script {how} without stepping an optimizer{what} (the probe needs {planned} steps)"
     return f"the script {how} after {done} of the probe's {planned} optimizer steps; give it more data or steps (or lower train.steps)"
+
+
+#: Whole skips in a row that name the GradScaler as why the script ran out of steps: each halves the scale, and a
+#: healthy run settles within a few (its default start of 2**16 is rarely more than ~8 halvings too high).
+_SKIPS_NAMED = 8
 
 
 def _build_rounds(config: ProbeConfig, module: Any, loss_of: Any, device: Any, names: Any) -> Any:

@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--no-scaler", action="store_true")
     ap.add_argument("--rank-scale", default="")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--inf-rank", type=int, default=-1,
+                    help="this rank's loss is inf from the script's step 2 on (a device that overflows in fp16 where others do not)")
     ap.add_argument("--two-optimizers", nargs="?", const="first-layer-first", choices=["first-layer-first", "last-layer-first"])
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -49,6 +51,8 @@ def main():
         y = torch.randint(0, 64, (32,), generator=generator)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
+        if rank == args.inf_rank and step >= 2:
+            loss = loss * float("inf")
         scaler.scale(loss).backward()
         for optimizer in optimizers:
             scaler.step(optimizer)

@@ -133,3 +133,14 @@ def test_fsdp2_under_a_grad_scaler_reads_what_ddp_reads(tiny_llama, tmp_path):  
     assert rows["fsdp"].keys() == rows["ddp"].keys() and len(rows["fsdp"]) == 8
     for key, row in rows["fsdp"].items():
         assert row["grad_norm"] == pytest.approx(rows["ddp"][key]["grad_norm"], rel=1e-3), key
+
+
+def test_a_rank_whose_gradients_overflow_at_every_step_is_why_the_probe_could_not_finish(tmp_path):
+    # Rank 1's loss is inf from the script's step 2 on: the all-reduce spreads the inf, every rank's scaler skips every
+    # update, and the script ends short of the probe's steps. That read "give it more data or steps" (exit 3), which
+    # would never help; it names the scaler's skips now. (Still exit 3: no step after the first was measured.)
+    done = probe(tmp_path / "run", "--init-scale", "1024", "--inf-rank", "1", nproc=3)
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert re.search(r"its GradScaler skipped the last \d+ updates whole: an inf or NaN gradient at every one", error), error
+    assert "give it more data" not in error and "Warning" not in done.stderr, done.stderr[-2000:]
