@@ -11,14 +11,14 @@ epoch by epoch, up to where both got.
   one: a real dataset repeats a few rows, not half of them, so a clean run does not reach it. Fewer shared samples
   pass, and are counted in the message: shards that overlap at their edges look like repeated rows from here, and
   only indices tell them apart.
-
 * A rank whose batches repeat the one before, again and again (a third of them at least), reads an IterableDataset
   through several DataLoader workers that each yield all of it (torch's documented pitfall: the dataset must split
   its data by ``get_worker_info()``). Every rank does so alike, so no statistic shows it.
 
 Neither order nor coverage is checked: without a sampler there is no plan to hold them to. Where fewer than half of
 a rank's samples hash apart from each other (every sample truncated to a prompt template they share, one synthetic
-batch repeated), content tells no shard from another: *not measured*.
+batch repeated, a short stream that starts over within the epoch), content tells no shard from another: *not
+measured*.
 
 A script that reads no DataLoader at all (nanoGPT's ``get_batch``: random offsets from torch's generator) is judged
 on the inputs of each step's first training forward, one "epoch" per step. Only the first rule applies there: with
