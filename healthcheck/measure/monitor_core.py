@@ -14,7 +14,7 @@ from __future__ import annotations
 import marshal
 import math
 import time
-from typing import Any, ContextManager, Iterable, Mapping
+from typing import Any, ContextManager, Iterable, Mapping, Optional
 
 from healthcheck.measure import distributed, runqueue, shared_rows, step_gather
 from healthcheck.measure.metrics import StepMetrics
@@ -163,11 +163,17 @@ class ConsistencyMonitor:
             previous, self._inflight = self._inflight, inflight
             return self._finish(previous) if previous is not None else None
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> Optional[bool]:
         """Forget what this step's reductions recorded, as if none had run: the script skipped its update (a GradScaler
         found an inf), so the next backward starts the step afresh. Without it, FSDP2's monitor would add the skipped
-        reduce-scatters to the next step's as micro-batches. Local to this rank; every rank skips alike."""
+        reduce-scatters to the next step's as micro-batches. Local to this rank; every rank skips alike.
+
+        Returns whether this rank's own gradient in it was non-finite (None where none was recorded): what names a
+        rank that overflows at every update (``integrations/script/scaler_skips.py``). Read once per skip: a device
+        sync there is no step's cost."""
+        nonfinite = not math.isfinite(float(sum_partials(self._sqnorm, sorted(self._sqnorm)))) if self._sqnorm else None
         self._clear_partials()
+        return nonfinite
 
     def flush(self, timeout_s: float | None = None) -> StepMetrics | None:
         """The last sampled step's metrics, still in flight with ``overlap``; None when there is none.

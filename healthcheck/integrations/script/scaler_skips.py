@@ -11,6 +11,11 @@ and the others step. Two things went wrong with that:
 * a later optimizer was skipped: the step's gradients, gathered with their inf, failed ``nonfinite`` (exit 1) on a
   correct run. The scaler rejected them, so the step measures nothing: :func:`overflowed_in_part` tells such a step
   from the gathered numbers, the same on every rank, and the session keeps it out of the rows and says so.
+
+And a skip that never ends: a rank whose own gradient overflows at every update (a device that computes wrong in
+fp16) spreads its inf to every rank through the all-reduce, and every rank's scaler skips every update. The script
+then ran out of steps with nothing measured (exit 3). After :data:`PERSISTENT_SKIPS` whole skips in a row the ranks
+compare whose own gradient was non-finite (:func:`persistent_overflow`), and the probe stops there, naming them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ import time
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.eager import eager
+from healthcheck.ranks import ranks_phrase
+
+#: Whole skips in a row, after the probe's first step, that stop it. A healthy run skips while its scale falls to what
+#: its gradients allow, at the start (one skip per halving, before the first step it takes); after that, one update
+#: now and then, when the scale grows back too far. 8 in a row is no calibration. Before the first step nothing stops:
+#: ``ScriptEnded`` names the skips if the script runs out of steps there.
+PERSISTENT_SKIPS = 8
 
 
 class PendingSkip:
@@ -87,3 +99,34 @@ def overflowed_in_part(metrics: Any) -> bool:
     if not metrics.nonfinite_ranks or not skips or not all(math.isfinite(value) for value in skips):
         return False
     return not metrics.loss_measured or all(math.isfinite(loss) for loss in metrics.per_rank_loss)
+
+
+def persistent_overflow(skips: int, steps_done: int, nonfinite: Optional[bool]) -> Optional[str]:
+    """Why the probe stops at this whole skip, or None. Collective when ``skips`` (in a row) reaches the limit after
+    the first step: every rank skips the same updates (the inf is all-reduced), so every rank gathers here.
+    ``nonfinite``: whether this rank's own gradient in the skipped update was (None: not recorded, as with gradients
+    read from ``.grad``)."""
+    if steps_done == 0 or skips != PERSISTENT_SKIPS:
+        return None
+    from healthcheck.measure import distributed as hdist
+
+    flags = hdist.all_gather_objects(bool(nonfinite))
+    return overflow_message([rank for rank, flag in enumerate(flags) if flag], len(flags), skips)
+
+
+def overflow_message(ranks: list[int], world: int, skips: int) -> Optional[str]:
+    """The stop's message for the ranks whose own gradient overflowed (None when no rank's did, or none was read).
+
+    >>> overflow_message([1], 3, 8).split(", and")[0]
+    "rank 1's own gradient was inf or NaN in each of the last 8 updates"
+    >>> overflow_message([], 3, 8) is None
+    True
+    """
+    if not ranks:
+        return None
+    whose = f"{ranks_phrase(ranks)}'s own gradient was" if len(ranks) == 1 else f"the own gradients of {ranks_phrase(ranks)} were"
+    if len(ranks) == world:
+        return (f"every rank's own gradient was inf or NaN in each of the last {skips} updates, which every GradScaler "
+                "skipped: the training diverges, or the loss scale starts far too high")
+    return (f"{whose} inf or NaN in each of the last {skips} updates, and every rank's GradScaler skipped them (the "
+            "all-reduce spread it): a device that computes wrong in fp16, or a loss that overflows on that rank's data")

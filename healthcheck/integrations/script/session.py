@@ -39,7 +39,7 @@ from healthcheck.integrations.script.loaders import LoaderRecorder
 from healthcheck.integrations.script.monitor_start import make_monitor
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
-from healthcheck.integrations.script.scaler_skips import PendingSkip, overflowed_in_part
+from healthcheck.integrations.script.scaler_skips import PendingSkip, overflowed_in_part, persistent_overflow
 from healthcheck.integrations.script.seeds import SeedCalls
 from healthcheck.integrations.script.session_hooks import ProbeComplete, SessionHooks
 from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
@@ -52,6 +52,7 @@ from healthcheck.judge.fail_fast import FailFast, StepAudits
 from healthcheck.measure import distributed as hdist
 from healthcheck.measure.evidence import AuditRecorder
 from healthcheck.measure.loss_scale import unscaled
+from healthcheck.measure.step_gather import CLOSE_WAIT_S
 
 
 class ScriptSession:
@@ -88,8 +89,7 @@ class ScriptSession:
         self._patches: Any = None
 
     def _first_forward_facts(self, module: Any) -> dict[str, Any]:
-        # The python and numpy seeds as of the moment their generators' states are read.
-        return {**observe.first_forward_facts(module), **self.seeds.fields()}
+        return {**observe.first_forward_facts(module), **self.seeds.fields()}  # the seeds as of when the states are read
 
     # ------------------------------------------------------------------ install / remove
 
@@ -114,8 +114,6 @@ class ScriptSession:
 
     def _salvage(self) -> None:
         """The script failed: keep the last completed step's rows if its gather finishes within a bounded wait."""
-        from healthcheck.measure.step_gather import CLOSE_WAIT_S
-
         try:
             metrics = self.monitor.flush(timeout_s=CLOSE_WAIT_S)
             if metrics is not None:
@@ -295,12 +293,16 @@ class ScriptSession:
     def _skipped_whole(self, skipped_at: float) -> None:
         """That backward was no probe step: what the monitor, the loss capture and the forward counts took from it goes."""
         self.scales.skips += 1
-        self.monitor.discard_step()
+        overflow = persistent_overflow(self.scales.skips, self.steps_done, self.monitor.discard_step())
         self.forwards.restart()
         self.capture.take()
         if self._keeper is not None:
             self._keeper.reset()
         self._last_post = skipped_at
+        if overflow is not None:  # every later update would be skipped too (:mod:`.scaler_skips`)
+            self.fail_fast.cannot_continue(self.steps_done, "nonfinite", overflow)
+            self._finish()
+            raise ProbeComplete()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.model is None or not self._owns(optimizer) or self.scales.overflowed(optimizer):
@@ -349,8 +351,7 @@ class ScriptSession:
             self.audit.rng["rng_start"] = facts["rng"]
         self.audit.hints = dict(facts.get("hooks", {}))
         rank_info, device = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
-        # What the first step already shows rides on the same gather: RNG states, the recorded extras and
-        # the first step's DataLoader indices.
+        # What the first step already shows rides on the same gather: RNG states, extras, the DataLoader's batches.
         early = RankEvidence(rng=self.audit.rng, extra=self.audit.extra, **self.loaders.evidence())
         replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
