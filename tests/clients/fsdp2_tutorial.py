@@ -25,6 +25,7 @@ keeps the part of rank R+1 (a node whose rank was read from the wrong variable).
 copy of the checkpoint differs in one tensor (a stale file on one node), which FSDP2 shards without complaint.
 ``bf16-except-rank=R``: FSDP2 computes in bf16 on every rank but R (fp32): FSDP2's first all-gather breaks.
 ``clip-rank=R``: rank R clips at a tenth of ``--clip`` (a per-node config): under FSDP2 it scales only its own shard.
+``inf-rank=R``: rank R's loss is inf from step 2 on (with ``--amp-scale``, every scaler then skips every update).
 ``slow-rank=R``: rank R spends 50 ms after each update (a slow logger or checkpoint writer), so the others wait for
 it in the logging ``all_reduce``, not in FSDP2's collectives. ``accum-rank=R``: rank R accumulates one micro-batch more
 per update than ``--accum`` (a per-node ``gradient_accumulation_steps``): its extra forward all-gathers while the
@@ -192,6 +193,8 @@ def main():
                     loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
                     ntok = (shift_labels != -100).sum()
                     loss = loss_scale * loss_sum / ntok.clamp(min=1) / len(micro)
+                    if bugs.get("inf-rank") == rank and step >= 2:  # a device that overflows in fp16 from step 2 on
+                        loss = loss * float("inf")
                     (scaler.scale(loss) if scaler else loss).backward()
                 stats += torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
             micro = []

@@ -129,4 +129,4 @@ def overflow_message(ranks: list[int], world: int, skips: int) -> Optional[str]:
         return (f"every rank's own gradient was inf or NaN in each of the last {skips} updates, which every GradScaler "
                 "skipped: the training diverges, or the loss scale starts far too high")
     return (f"{whose} inf or NaN in each of the last {skips} updates, and every rank's GradScaler skipped them (the "
-            "all-reduce spread it): a device that computes wrong in fp16, or a loss that overflows on that rank's data")
+            "gradient reduction spread it): a device that computes wrong in fp16, or a loss that overflows on that rank's data")
