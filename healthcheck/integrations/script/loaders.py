@@ -61,7 +61,7 @@ class LoaderRecord:
     @property
     def samples(self) -> int:
         """Samples fetched: by index, or by hash where the loader yields without indices (an IterableDataset)."""
-        return sum(len(ids) for _, ids in self.batches) or sum(len(hashes) for _, hashes in self.contents)
+        return sum(len(ids) for _, ids in self.batches) or self.hash_count
 
 
 class LoaderRecorder:
@@ -138,7 +138,10 @@ class LoaderRecorder:
             record.hash_count += len(hashes)
 
     def on_step_inputs(self, step: int, batch: Any) -> None:
-        """Hash the samples of the inputs a step's first training forward ran on (the replay's kept batch)."""
+        """Hash the samples of the inputs a step's first training forward ran on (the replay's kept batch). Only
+        while no DataLoader has yielded: :meth:`evidence` reads them only then, and a step need not pay for them."""
+        if self.loaders:
+            return
         kept = sum(len(hashes) for _, hashes in self.forward_contents)  # a few dozen steps: cheap to count again
         hashes = sample_hashes(batch) if batch is not None and kept < _MAX_HASHES else None
         if hashes:

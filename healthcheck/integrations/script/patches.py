@@ -19,6 +19,8 @@ original on exit, in reverse order, whatever happened in between.
 * ``_BaseDataLoaderIter._next_index``: the indices of every batch any DataLoader fetches. It is
   private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
+* ``_BaseDataLoaderIter.__next__``: every batch any DataLoader yields, hashed per sample where no index names one
+  (an ``IterableDataset``, a per-rank split: :mod:`.sample_hashes`).
 * ``torch.nn.utils``' gradient clipping functions: how the script clips its model (:mod:`.clipping`).
 * ``random.seed`` and ``numpy.random.seed``: the seeds the script gives those generators (:mod:`.seeds`).
 * ``torch.amp.GradScaler.step``: which scaler steps which optimizer, for the step's loss scale, and the steps it
@@ -144,21 +146,18 @@ def install(session: Any) -> Patches:
 
         return spawn
 
-    def next_index(original: Any) -> Any:
-        def _next_index(self: Any) -> Any:
-            indices = original(self)
-            session.loaders.on_fetch(self, indices)
-            return indices
+    def seen_by(callback: Callable[[Any, Any], None]) -> Callable[[Any], Any]:
+        """A DataLoader iterator's method whose result ``callback(iterator, result)`` sees: a fetch's indices, a batch."""
 
-        return _next_index
+        def make(original: Any) -> Any:
+            def method(self: Any) -> Any:
+                result = original(self)
+                callback(self, result)
+                return result
 
-    def next_batch(original: Any) -> Any:
-        def __next__(self: Any) -> Any:
-            batch = original(self)
-            session.loaders.on_batch(self, batch)
-            return batch
+            return method
 
-        return __next__
+        return make
 
     # All or nothing: a wrap that raises midway (an unexpected torch layout) must not leave the earlier ones
     # installed in this process, where they would call back into a session that never started.
@@ -182,8 +181,8 @@ def install(session: Any) -> Patches:
         for name in BLOCKING_COLLECTIVES:
             # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
-        patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", next_index)
-        patches.wrap(dataloader._BaseDataLoaderIter, "__next__", next_batch)
+        patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", seen_by(lambda it, indices: session.loaders.on_fetch(it, indices)))
+        patches.wrap(dataloader._BaseDataLoaderIter, "__next__", seen_by(lambda it, batch: session.loaders.on_batch(it, batch)))
         clipping.patch(patches, lambda *call: session.clips.observe(*call))
         step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
