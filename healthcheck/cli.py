@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose", action="store_true", help="show every worker's output on the console (default: RUN_DIR/logs/rank-N.log)"
     )
     probe.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="skip the PNG plots (report.md then has none; report.html draws its own charts; "
+        "`healthcheck report RUN_DIR` draws them later)",
+    )
+    probe.add_argument(
         "--audits-only",
         action="store_true",
         help="judge the exact audits against their ideal expectations; no baseline needed, no envelope judged",
@@ -205,6 +211,7 @@ def cmd_probe(args) -> int:
         record_hint=_record_hint(args),
         judge_against_baseline=not args.no_judge,
         audits_only=args.audits_only,
+        plots=not args.no_plots,
     )
 
 

@@ -43,6 +43,7 @@ def gate_run(
     record_hint: Optional[str] = None,
     judge_against_baseline: bool = True,
     audits_only: bool = False,
+    plots: bool = True,
 ) -> int:
     """Judge ``result`` against the baseline at ``baseline_path`` and report; return the exit code.
 
@@ -52,24 +53,24 @@ def gate_run(
     usable baseline, each after the report files for the run itself have been written.
     """
     if result.status != "complete":
-        publish_report(run_dir, result, None, console)
+        publish_report(run_dir, result, None, console, plots=plots)
         raise ProbeFailed(f"probe {result.status}: {result.failure or 'no reason recorded'}; partial artifacts in {run_dir}")
     if not judge_against_baseline:
-        publish_report(run_dir, result, None, console)
+        publish_report(run_dir, result, None, console, plots=plots)
         return exit_code_for(result, None)
     if audits_only:
         verdict = judge_audits_only(result)
         write_verdict(run_dir, verdict)
-        publish_report(run_dir, result, verdict, console)
+        publish_report(run_dir, result, verdict, console, plots=plots)
         return exit_code_for(result, verdict)
     try:
         baseline = load_baseline(baseline_path, record_hint=record_hint)
         verdict = judge(result, baseline, baseline_path=str(baseline_path), force=force, record_hint=record_hint)
     except BaselineError:
-        publish_report(run_dir, result, None, console)
+        publish_report(run_dir, result, None, console, plots=plots)
         raise
     write_verdict(run_dir, verdict)
-    publish_report(run_dir, result, verdict, console)
+    publish_report(run_dir, result, verdict, console, plots=plots)
     return exit_code_for(result, verdict)
 
 

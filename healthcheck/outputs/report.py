@@ -45,17 +45,19 @@ def write_report_files(
     verdict: Optional[Verdict],
     *,
     environ: Optional[Mapping[str, str]] = None,
+    plots: bool = True,
 ) -> list[Path]:
-    """Write ``report.html``, ``report.md``, ``junit.xml`` and ``plots/*.png`` into ``run_dir``; append
-    the Markdown, with Mermaid charts, to ``$GITHUB_STEP_SUMMARY`` when set. Returns the files written
-    in ``run_dir``, ``report.html`` first."""
+    """Write ``report.html``, ``report.md``, ``junit.xml`` and ``plots/*.png`` (unless not ``plots``) into
+    ``run_dir``; append the Markdown, with Mermaid charts, to ``$GITHUB_STEP_SUMMARY`` when set. Returns the files
+    written in ``run_dir``, ``report.html`` first."""
     run_dir = Path(run_dir)
     env = os.environ if environ is None else environ
     steps = list(read_jsonl(run_dir / STEPS_FILE))
     aggregates = list(read_jsonl(run_dir / AGGREGATES_FILE))
     html = _write_html(run_dir / HTML_FILE, result, verdict, steps, aggregates)
-    plots = _write_plots(run_dir / PLOTS_DIR, result, verdict, steps, aggregates)
-    markdown = render_markdown(result, verdict, steps=steps, plots=[p.relative_to(run_dir).as_posix() for p in plots])
+    # report.html draws its own charts; the PNGs are report.md's (matplotlib: ~0.7 s of a small probe's ~4 s).
+    pngs = _write_plots(run_dir / PLOTS_DIR, result, verdict, steps, aggregates) if plots else []
+    markdown = render_markdown(result, verdict, steps=steps, plots=[p.relative_to(run_dir).as_posix() for p in pngs])
     write_text_atomic(run_dir / REPORT_FILE, markdown)
     write_text_atomic(run_dir / JUNIT_FILE, render_junit(result, verdict))
     summary_path = env.get("GITHUB_STEP_SUMMARY")
@@ -72,7 +74,7 @@ def write_report_files(
                 handle.write(summary)
         except OSError as exc:
             log.warning("GITHUB_STEP_SUMMARY %s: cannot append (%s)", summary_path, exc.strerror or exc)
-    return [*html, run_dir / REPORT_FILE, run_dir / JUNIT_FILE, *plots]
+    return [*html, run_dir / REPORT_FILE, run_dir / JUNIT_FILE, *pngs]
 
 
 def _write_html(
@@ -109,12 +111,14 @@ def _write_plots(
         return []
 
 
-def publish_report(run_dir: Path, result: RunResult, verdict: Optional[Verdict], console: Optional[Console] = None) -> None:
-    """Everything a run reports, in one call: files, terminal, annotations."""
+def publish_report(
+    run_dir: Path, result: RunResult, verdict: Optional[Verdict], console: Optional[Console] = None, *, plots: bool = True
+) -> None:
+    """Everything a run reports, in one call: files (the PNG plots unless not ``plots``), terminal, annotations."""
     console = console or Console(highlight=False)
-    written = write_report_files(run_dir, result, verdict)
+    written = write_report_files(run_dir, result, verdict, plots=plots)
     render_terminal(result, verdict, console, steps=list(read_jsonl(Path(run_dir) / STEPS_FILE)))
     others = [p.name for p in written[1:] if p.parent == written[0].parent]
-    plots = len(written) - 1 - len(others)
-    console.print(Text(f"\nreport: {written[0]} (also {', '.join(others)}{f', {plots} plots' if plots else ''})"))
+    drawn = len(written) - 1 - len(others)
+    console.print(Text(f"\nreport: {written[0]} (also {', '.join(others)}{f', {drawn} plots' if drawn else ''})"))
     emit_annotations(verdict, result)

@@ -37,6 +37,7 @@ from healthcheck.run.console import HeartbeatProgress
 from healthcheck.run.data import check_data_inputs, prepare_samples
 from healthcheck.run.failures import ERRORS_DIR, describe_failure, input_error_in_workers
 from healthcheck.run.modeling import PRESETS, load_tokenizer, model_source
+from healthcheck.run.script_preload import preload_script_imports
 from healthcheck.run.script_worker import script_target_error, script_worker
 from healthcheck.run.watchdog import HEARTBEAT_DIR, Watchdog, read_beats
 from healthcheck.run.worker import probe_worker
@@ -84,7 +85,11 @@ def warm_parent_caches(config: ProbeConfig) -> None:
     import healthcheck.run.replay_rounds  # noqa: F401
 
     if config.script is not None:
-        return  # the script imports what it needs; guessing would cost every probe the imports of all
+        # Only the heavy libraries the script's own source imports (script_preload.py): guessing would cost
+        # every probe the imports of all.
+        if config.script.path is not None:
+            preload_script_imports(Path(config.script.path))
+        return
     from transformers import AutoConfig  # noqa: F401  (imports the auto machinery once)
 
     tokenizer = load_tokenizer(config.model)

@@ -7,7 +7,8 @@ Knows nothing about healthcheck. ``fully_shard`` on every decoder layer, then on
 sharded (DTensor) parameters. Gradient accumulation over ``--accum`` micro-batches: like torchtitan, the
 gradient is reduce-scattered only on the last micro-batch (``set_requires_gradient_sync``); with
 ``--sync-every-microbatch``, FSDP2's default (a reduce-scatter per micro-batch). ``--wrap ddp`` trains the
-same loop with DistributedDataParallel instead, for comparisons.
+same loop with DistributedDataParallel instead, for comparisons; ``--wrap fsdp1`` with the older
+``FullyShardedDataParallel`` (FSDP1, PyTorch's "Getting Started with FSDP" tutorial: every decoder layer a unit).
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
 ``--reduce-dtype fp16|bf16``: ``MixedPrecisionPolicy(reduce_dtype=...)``, parameters in fp32: FSDP2 casts each
@@ -105,7 +106,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--sync-every-microbatch", action="store_true")
-    ap.add_argument("--wrap", choices=("fsdp", "ddp"), default="fsdp")
+    ap.add_argument("--wrap", choices=("fsdp", "ddp", "fsdp1"), default="fsdp")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -144,6 +145,12 @@ def main():
             world = dist.get_world_size()
             kwargs["mesh"] = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
         model = shard(model, **kwargs)
+    elif args.wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        layer_class = type(model.model.layers[0])
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_class}), device_id=torch.device("cpu"))
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
@@ -185,7 +192,7 @@ def main():
                 if args.wrap == "fsdp" and not args.sync_every_microbatch:
                     model.set_requires_gradient_sync(last)
                 # DDP skips its all-reduce only when the forward, too, runs inside no_sync().
-                with model.no_sync() if args.wrap == "ddp" and not last else contextlib.nullcontext():
+                with model.no_sync() if args.wrap in ("ddp", "fsdp1") and not last else contextlib.nullcontext():
                     with autocast:
                         logits = model(input_ids=ids).logits
                     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))

@@ -16,7 +16,10 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def healthcheck_command() -> list[str]:
-    exe = shutil.which("healthcheck")
+    # The console script pip installed beside this interpreter first: PATH may put a version manager's shim ahead
+    # of it (pyenv's runs bash and pyenv itself, ~60 ms a call, over a hundred calls a suite).
+    beside = Path(sys.executable).with_name("healthcheck")
+    exe = str(beside) if beside.is_file() else shutil.which("healthcheck")
     return [exe] if exe else [sys.executable, "-m", "healthcheck"]
 
 

@@ -14,7 +14,7 @@ from tests.e2e.conftest import read_rows, run_cli
 
 pytestmark = pytest.mark.e2e
 
-BASE = ["--audits-only", "--set", "distributed.nproc=4", "--set", "metrics.warmup_steps=1"]
+BASE = ["--audits-only", "--no-plots", "--set", "distributed.nproc=4", "--set", "metrics.warmup_steps=1"]
 
 
 def probe(tmp_path, name, *extra):

@@ -207,7 +207,7 @@ def test_gradients_that_underflow_in_an_fp16_reduce_scatter_are_named(tiny_llama
 
 def test_the_builtin_probe_sharded_names_a_rank_whose_optimizer_differs(tmp_path):
     out = tmp_path / "run"
-    done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",
+    done = run_cli("probe", "--out", str(out), "--audits-only", "--no-plots", "--set", "distributed.strategy=fsdp",
                    "--set", "distributed.nproc=4", "--set", "train.steps=4", "--set", "metrics.param_check_every=2",
                    "--set", "rank_overrides={2: {train: {lr: 0.01}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
@@ -225,7 +225,7 @@ def test_the_builtin_probe_under_hsdp_names_a_straggler_and_a_rank_whose_optimiz
     # whole, so rank 0's lateness there is explained by its wait for rank 1 (measure/lateness.py). Before the
     # replicas' all-reduce was timed and judged among its own ranks, the straggler passed (1.008x).
     out = tmp_path / "run"
-    done = run_cli("probe", "--out", str(out), "--audits-only", "--no-fail-fast", "--set", "distributed.strategy=fsdp",
+    done = run_cli("probe", "--out", str(out), "--audits-only", "--no-plots", "--no-fail-fast", "--set", "distributed.strategy=fsdp",
                    "--set", "distributed.replicas=2", "--set", "distributed.nproc=4", "--set", "train.steps=30",
                    "--set", "metrics.replay_every=0",
                    "--set", "rank_overrides={1: {faults: {step_sleep_ms: 50}}, 2: {train: {lr: 0.01}}}")
@@ -241,7 +241,7 @@ def test_a_straggler_under_fsdp2_is_named_though_every_collective_waits_for_it(t
     # long as the straggler's. busy_ms is the ranks' median own work plus the time the others waited for
     # this rank alone (measure/lateness.py). 50 ms is the catalogue's straggler.
     out = tmp_path / "run"
-    done = run_cli("probe", "--out", str(out), "--audits-only", "--set", "distributed.strategy=fsdp",
+    done = run_cli("probe", "--out", str(out), "--audits-only", "--no-plots", "--set", "distributed.strategy=fsdp",
                    "--set", "distributed.nproc=8", "--set", "train.steps=30", "--set", "metrics.replay_every=0",
                    "--set", "rank_overrides={6: {faults: {step_sleep_ms: 50}}}")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
@@ -259,3 +259,16 @@ def test_a_torchtitan_style_stream_rank_reading_another_part_is_named_with_it(ti
     assert failed_ranks(out) == {"audit.data_shards": [2, 3]}, failed_ranks(out)
     shards = json.loads((out / "result.json").read_text())["audits"]["data_shards"]
     assert shards["by"] == "content" and shards["message"].startswith("ranks 2-3 trained on the same samples"), shards
+
+
+def test_an_fsdp1_script_is_refused_on_one_line_before_it_shards(tiny_llama, tmp_path):  # noqa: F811
+    # FSDP1 (FullyShardedDataParallel, as PyTorch's FSDP1 tutorial wraps each decoder layer) runs on CPU/gloo but
+    # reduce-scatters flat parameters nothing here measures. Before, the script reached its first optimizer step
+    # and was told it built no distributed model.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               extra=("--set", "distributed.nproc=2"), script_args=("--wrap", "fsdp1")))
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("healthcheck: error:")]
+    assert len(errors) == 1 and "FullyShardedDataParallel (FSDP1)" in errors[0] and "fsdp_version: 2" in errors[0], done.stderr
+    assert not (tmp_path / "loss.jsonl").exists()  # refused before the first step the script logs

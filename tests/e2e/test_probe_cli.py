@@ -24,7 +24,9 @@ def probe(tmp_path, name, *extra, nproc=8):
 @pytest.fixture(scope="module")
 def policy_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("policies")
-    return {policy: probe(tmp, policy, "--set", f"seed_policy={policy}") for policy in ("shared", "rank0_differs", "per_rank")}
+    # The PNG plots are drawn for one policy and skipped (--no-plots) for the others: the test below checks both.
+    return {policy: probe(tmp, policy, "--set", f"seed_policy={policy}", *(() if policy == "shared" else ("--no-plots",)))
+            for policy in ("shared", "rank0_differs", "per_rank")}
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,20 @@ def test_eight_rank_probe_artifacts_and_seeds(policy_runs, policy, expected_seed
     assert len(read_rows(out / "aggregates.jsonl")) == 4
     assert (out / "config.yaml").exists()
     assert result["schema_version"] == 1 and result["timing"]["wall_s"] > 0
+    pngs = ["plots/loss.png", "plots/dispersion.png", "plots/cosine.png"]
+    markdown = (out / "report.md").read_text()
+    if policy == "shared":
+        assert all((out / png).stat().st_size > 0 for png in pngs) and all(f"]({png})" in markdown for png in pngs)
+    else:  # --no-plots: report.html and report.md still written, without images
+        assert not (out / "plots").exists() and "### Plots" not in markdown and (out / "report.html").is_file()
+
+
+def test_a_probe_without_plots_gets_them_from_healthcheck_report(policy_runs, cli):
+    out = policy_runs["per_rank"][0]
+    done = cli("report", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["cosine.png", "dispersion.png", "loss.png"]
+    assert "](plots/loss.png)" in (out / "report.md").read_text()
 
 
 def test_seed_perturbation_really_changes_rank0_data(policy_runs):

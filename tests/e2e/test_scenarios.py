@@ -16,7 +16,7 @@ from tests.e2e.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
 
-SHORT = ["--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--set", "distributed.nproc=4",
+SHORT = ["--no-plots", "--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--set", "distributed.nproc=4",
          "--set", "metrics.param_check_every=2", "--set", "metrics.reduction_check_every=2"]
 ALL_AUDITS = {"data_shards", "seeds", "param_equality", "environment", "nonfinite", "stragglers", "reduction_numerics",
               "rank_outliers", "replay", "spikes", "zero_gradients"}

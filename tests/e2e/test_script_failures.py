@@ -14,7 +14,7 @@ TINY = REPO / "tests" / "clients" / "tiny_ddp.py"
 
 def probe(tmp_path, mode: str, *extra: str):
     out = tmp_path / "run"
-    done = run_cli("probe", "--script", str(TINY), "--out", str(out), "--audits-only", "--set", "distributed.nproc=2",
+    done = run_cli("probe", "--script", str(TINY), "--out", str(out), "--audits-only", "--no-plots", "--set", "distributed.nproc=2",
                    "--set", "train.steps=5", "--set", "metrics.warmup_steps=1", *extra, "--", "--mode", mode)
     return done, out
 

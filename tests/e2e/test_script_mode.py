@@ -42,7 +42,8 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 def probe_args(client: str, out: Path, model: Path, log: Path, *, steps: int = STEPS, extra: tuple = (),
                script_args: tuple = ()) -> list[str]:
-    return ["probe", "--script", str(CLIENTS / f"{client}.py"), "--out", str(out), "--audits-only",
+    # --no-plots: these tests read result.json and the terminal; the PNGs are test_probe_cli's and test_plots.py's.
+    return ["probe", "--script", str(CLIENTS / f"{client}.py"), "--out", str(out), "--audits-only", "--no-plots",
             "--set", "distributed.nproc=4", "--set", f"train.steps={steps}", "--set", "metrics.warmup_steps=1", *extra,
             "--", "--model", str(model), "--data", str(DATA), "--steps", "40", "--log", str(log), *script_args]
 

@@ -16,7 +16,7 @@ PROJECT = REPO / "tests" / "clients" / "modproject"
 
 
 def probe(out, *script_args: str, nproc: int = 2):
-    return run_cli("probe", "--script", "scripts.train", "-m", "--out", str(out), "--audits-only", "--set",
+    return run_cli("probe", "--script", "scripts.train", "-m", "--out", str(out), "--audits-only", "--no-plots", "--set",
                    f"distributed.nproc={nproc}", "--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--", "--steps", "20",
                    *script_args, cwd=PROJECT)
 

@@ -58,7 +58,7 @@ def test_a_rank_whose_second_optimizer_differs_is_named(tiny_llama, tmp_path):  
 
 
 def zero_probe(out, mode: str):
-    return run_cli("probe", "--script", str(CLIENTS / "tiny_ddp.py"), "--out", str(out), "--audits-only", "--set",
+    return run_cli("probe", "--script", str(CLIENTS / "tiny_ddp.py"), "--out", str(out), "--audits-only", "--no-plots", "--set",
                    f"distributed.nproc={RANKS}", "--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--",
                    "--mode", mode, "--steps", "20")
 

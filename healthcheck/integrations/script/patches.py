@@ -10,6 +10,10 @@ original on exit, in reverse order, whatever happened in between.
   ``.grad``); one registered later, where the monitor took the slot, gets a clear error, not DDP's RuntimeError.
 * ``torch.distributed.fsdp.fully_shard``: every module the script shards with FSDP2 is handed to the
   session, which takes the outermost one (the root, sharded last) as the trained model.
+* ``torch.distributed.fsdp.FullyShardedDataParallel.__init__`` (FSDP1): refused with a clear error before it shards
+  anything. Its gradients are reduce-scattered from flat parameters that neither DDP's buckets nor FSDP2's
+  per-parameter shards describe, so nothing here would measure them; without this the script reached its first
+  optimizer step and was told it had no distributed model at all.
 * ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
 * ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
   probed (healthcheck already is the launcher), so it gets a clear error.
@@ -82,6 +86,13 @@ class Patches:
             setattr(owner, name, original)
 
 
+#: What a script that wraps its model in FSDP1 is told (exit 2, before any rank shards it).
+FSDP1_REFUSED = (
+    "the script wraps its model in FullyShardedDataParallel (FSDP1), which healthcheck does not measure: it measures "
+    "DistributedDataParallel and FSDP2 (torch.distributed.fsdp.fully_shard; with accelerate, fsdp_version: 2)"
+)
+
+
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.loaders.on_fetch(iterator, indices)``, ``session.loaders.on_batch(iterator, batch)``,
@@ -129,6 +140,12 @@ def install(session: Any) -> Patches:
 
         return shard
 
+    def no_fsdp1(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            raise InvalidInput(FSDP1_REFUSED)
+
+        return __init__
+
     def init_process_group(original: Any) -> Any:
         def init(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
@@ -169,6 +186,7 @@ def install(session: Any) -> Patches:
         import torch.distributed.fsdp as fsdp
 
         patches.wrap(fsdp, "fully_shard", fully_shard)
+        patches.wrap(fsdp.FullyShardedDataParallel, "__init__", no_fsdp1)
         try:
             import torch.distributed._composable.fsdp as composable_fsdp
 
