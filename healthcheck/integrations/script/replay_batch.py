@@ -34,6 +34,10 @@ class BatchKeeper:
     def __init__(self, module: Any):
         self.batch: Optional[dict[str, Any]] = None
         self.paused = False
+        #: The module's ``forward`` was an attribute of the instance at that call: the script routed the call to
+        #: another method (PyTorch Lightning sets it for one call so that DDP's forward runs ``training_step``),
+        #: which calling the module again would not run.
+        self.redirected = False
         self._handle = module.register_forward_pre_hook(eager(self._keep), with_kwargs=True)
 
     def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -41,6 +45,7 @@ class BatchKeeper:
 
         if self.batch is None and not self.paused and torch.is_grad_enabled():
             self.batch = {**{f"{_ARG_PREFIX}{i}": value for i, value in enumerate(args)}, **kwargs}
+            self.redirected = "forward" in vars(module)
 
     def reset(self) -> None:
         self.batch = None
@@ -49,10 +54,20 @@ class BatchKeeper:
         self._handle.remove()
 
 
-def unavailable(batch: Optional[Mapping[str, Any]]) -> Optional[str]:
-    """Why ``batch`` cannot be replayed, or None when it can."""
+def unavailable(batch: Optional[Mapping[str, Any]], redirected: bool = False) -> Optional[str]:
+    """Why ``batch`` cannot be replayed, or None when it can.
+
+    >>> print(unavailable({"__arg0": 1}, redirected=True))
+    the script's training forward ran another method in place of the model's forward (PyTorch Lightning's \
+training_step), which a replay cannot call outside the script's loop
+    """
     if batch is None:
         return "the script's model ran no training forward before its first optimizer step"
+    if redirected:
+        return (
+            "the script's training forward ran another method in place of the model's forward (PyTorch Lightning's "
+            "training_step), which a replay cannot call outside the script's loop"
+        )
     return None
 
 

@@ -33,6 +33,7 @@ from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe
 from healthcheck.integrations.script.clipping import ClipRecorder
+from healthcheck.integrations.script.closures import ClosureSteps
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.grad_start import GradientStart
 from healthcheck.integrations.script.loaders import LoaderRecorder
@@ -94,11 +95,9 @@ class ScriptSession:
     # ------------------------------------------------------------------ install / remove
 
     def __enter__(self) -> ScriptSession:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         self._patches = install(self)
         self.capture.__enter__()
-        self._handles = [register_optimizer_step_pre_hook(self._pre_step), register_optimizer_step_post_hook(self._post_step)]
+        self._handles = ClosureSteps(self._pre_step, self._post_step).register()  # step(closure): :mod:`.closures`
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -114,12 +113,10 @@ class ScriptSession:
 
     def _salvage(self) -> None:
         """The script failed: keep the last completed step's rows if its gather finishes within a bounded wait."""
-        try:
+        with contextlib.suppress(Exception):  # the gather failed with its peer: nothing to keep
             metrics = self.monitor.flush(timeout_s=CLOSE_WAIT_S)
             if metrics is not None:
                 self.hooks.on_metrics(metrics.step, metrics)
-        except Exception:  # the gather failed with its peer: nothing to keep
-            pass
 
     # ------------------------------------------------------------------ callbacks from the patches
 
@@ -353,7 +350,8 @@ class ScriptSession:
         rank_info, device = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
         # What the first step already shows rides on the same gather: RNG states, extras, the DataLoader's batches.
         early = RankEvidence(rng=self.audit.rng, extra=self.audit.extra, **self.loaders.evidence())
-        replay_problem = unavailable(self._keeper.batch) if self._keeper is not None else "the model is sharded (FSDP2)"
+        keeper = self._keeper
+        replay_problem = unavailable(keeper.batch, keeper.redirected) if keeper is not None else "the model is sharded (FSDP2)"
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
         self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
         self._start_replay(device, next((item["replay"] for item in gathered if item["replay"]), None))
