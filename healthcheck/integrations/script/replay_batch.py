@@ -34,10 +34,8 @@ class BatchKeeper:
     def __init__(self, module: Any):
         self.batch: Optional[dict[str, Any]] = None
         self.paused = False
-        #: The module's ``forward`` was an attribute of the instance at that call: the script routed the call to
-        #: another method (PyTorch Lightning sets it for one call so that DDP's forward runs ``training_step``),
-        #: which calling the module again would not run.
-        self.redirected = False
+        self._module = module
+        self._forward: Any = None  #: the instance's own ``forward`` attribute at the kept call, if it had one
         self._handle = module.register_forward_pre_hook(eager(self._keep), with_kwargs=True)
 
     def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -45,7 +43,15 @@ class BatchKeeper:
 
         if self.batch is None and not self.paused and torch.is_grad_enabled():
             self.batch = {**{f"{_ARG_PREFIX}{i}": value for i, value in enumerate(args)}, **kwargs}
-            self.redirected = "forward" in vars(module)
+            self._forward = vars(module).get("forward")
+
+    @property
+    def redirected(self) -> bool:
+        """The kept call ran a ``forward`` set on the instance for that call alone: the script routed it to another
+        method (PyTorch Lightning sets one so that DDP's forward runs ``training_step``, and puts the module's own
+        back after it), which calling the module again would not run. A ``forward`` wrapped for good (accelerate's
+        fp32 output conversion, TRL's and peft's wrappers) is the same object still, and replays as it trained."""
+        return self._forward is not None and vars(self._module).get("forward") is not self._forward
 
     def reset(self) -> None:
         self.batch = None

@@ -66,3 +66,30 @@ def test_no_training_forward_and_no_differentiable_output_are_refused():
     assert "no training forward" in unavailable(None)
     with pytest.raises(ValueError, match="no differentiable"):
         output_surrogate((torch.ones(2), None))  # an output that does not require grad
+
+
+def test_a_forward_set_for_one_call_is_a_redirect_and_one_set_for_good_is_not():
+    import torch
+
+    from healthcheck.integrations.script.replay_batch import BatchKeeper, unavailable
+
+    class Net(torch.nn.Linear):
+        def training_step(self, x):
+            return super().forward(x).sum()
+
+    net, x = Net(2, 2), torch.ones(1, 2)
+    kept = BatchKeeper(net)
+    own = net.forward
+    net.forward = lambda *args: net.training_step(*args)  # as Lightning's forward redirection does, for one call
+    net(x)
+    net.forward = own  # and puts the module's own back
+    assert kept.redirected and "training_step" in unavailable(kept.batch, kept.redirected)
+    wrapped, kept = Net(2, 2), None
+    kept = BatchKeeper(wrapped)
+    wrapped.forward = torch.no_grad()(wrapped.forward)  # a wrapper for good (accelerate's convert_outputs_to_fp32)
+    wrapped(x)
+    assert not kept.redirected and unavailable(kept.batch, kept.redirected) is None
+    plain = Net(2, 2)
+    kept = BatchKeeper(plain)
+    plain(x)
+    assert not kept.redirected
