@@ -35,5 +35,6 @@ def test_table_has_a_row_per_world(script, capsys, monkeypatch):
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     assert [row[0] for row in rows] == ["2", "5"]
-    # Times print to the microsecond, and a 2-rank numpy piece can take less (it read 0.000 once in a fresh-clone run).
-    assert all(float(cell) >= 0 for row in rows for cell in row[1:]) and all(float(row[3]) > 0 for row in rows), rows
+    # Every column a number. Not > 0: times print to the microsecond and the ratio to a tenth, and with one repeat a
+    # 2-rank piece read 0.000 ms and a first numpy call made loops / numpy 0.0 (two fresh-clone runs, 2026-11-28).
+    assert all(float(cell) >= 0 for row in rows for cell in row[1:]), rows
