@@ -3,7 +3,8 @@
 Every worker of a Hugging Face script imports ``transformers`` (and ``datasets``, ``trl``, ``accelerate``,
 ``peft``) itself: one to two seconds of CPU each, paid ``nproc`` times where the ranks share a few cores (a CI
 runner, the 8 CPU ranks of the default probe). Imported once before the fork, the workers start with them loaded:
-a 4-rank ``transformers.Trainer`` probe on 2 cores took 6.8 s instead of 8.5 s.
+a 4-rank ``transformers.Trainer`` probe on 2 cores took a median 7.19 s instead of 8.75 s
+(``python benchmarks/script_startup.py --rounds 3``, 2026-11-28).
 
 Only what the script itself imports at its top level is loaded, read from its source (never run), and only from
 :data:`PRELOADABLE`, libraries whose import runs no accelerator code and starts no thread. Two things would make
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -75,8 +77,6 @@ def _preloadable(module: str) -> bool:
 
 def fork_safe_build() -> bool:
     """True where no import can touch an accelerator before the fork: a CPU-only torch without torch_npu."""
-    import importlib.util
-
     import torch
 
     return torch.version.cuda is None and torch.version.hip is None and importlib.util.find_spec("torch_npu") is None
