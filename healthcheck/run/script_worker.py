@@ -28,6 +28,7 @@ from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.failures import record_worker_failure
 from healthcheck.run.faults import at_step_start, before_process_group, install_faults
 from healthcheck.run.progress import StepProgress
+from healthcheck.run.script_exit import StderrTail, exit_reason
 from healthcheck.run.trainer import write_rows
 from healthcheck.run.watchdog import Heartbeat
 
@@ -108,8 +109,9 @@ class _ScriptRun:
         )
         session = ScriptSession(self.config, hooks, self.started_at, fail_fast=self.fail_fast)
         script = self.config.script
-        saved_argv, saved_path = list(sys.argv), list(sys.path)
+        saved_argv, saved_path, saved_stderr = list(sys.argv), list(sys.path), sys.stderr
         sys.argv = script.argv(self.config.train.seed)
+        sys.stderr = tail = StderrTail(sys.stderr)
         sys.path.insert(0, str(Path(script.path).resolve().parent) if script.path is not None else os.getcwd())
         ended = "returned"
         try:
@@ -126,13 +128,13 @@ class _ScriptRun:
                         pass
                     elif exc.code not in (None, 0):
                         raise ScriptEnded(
-                            f"the script exited with status {exc.code} after {session.steps_done} "
-                            f"of {self.config.train.steps} optimizer steps"
+                            "the script " + exit_reason(exc.code, tail.last_line,
+                                                        f"after {session.steps_done} of {self.config.train.steps} optimizer steps")
                         ) from None
                     else:
                         ended = "exited with status 0"
         finally:
-            sys.argv, sys.path[:] = saved_argv, saved_path
+            sys.argv, sys.path[:], sys.stderr = saved_argv, saved_path, saved_stderr
             self._close()
             hdist.destroy_distributed()
         if not session.complete:

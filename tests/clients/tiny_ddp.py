@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 tiny_ddp.py --mode ok --steps 10
 
 --mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
-steps); never-step (trains the model but never steps an optimizer); no-ddp (steps a plain model);
+steps); never-step (trains the model but never steps an optimizer); no-ddp (trains a plain model, averaging each
+gradient with dist.all_reduce as PyTorch's "Writing Distributed Applications" tutorial does);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
 (torch's fp16_compress_hook on every rank; fp16-hook=S: the loss times S, so S=1e-5 puts the gradients under fp16's
 normal range as a large model's are); half (an fp16 model and data under SGD, so DDP reduces fp16 buckets;
@@ -101,6 +102,10 @@ def main():
         if mode == "zero-loss" and rank == int(value):
             loss = loss * 0.0
         loss.backward()
+        if mode == "no-ddp":  # the tutorial's average_gradients
+            for param in model.parameters():
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+                param.grad /= dist.get_world_size()
         if mode != "never-step":
             optimizer.step()
         if scheduler is not None:

@@ -74,7 +74,8 @@ def test_a_script_that_fails_or_stops_early_is_exit_3_naming_it(tmp_path, mode, 
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        ("no-ddp", "before training a DistributedDataParallel or FSDP2 (fully_shard) model"),
+        # Data parallel by hand (dist.all_reduce on each .grad): it was told it was "a single-process script".
+        ("no-ddp", "stepped an optimizer with 2 workers but no DistributedDataParallel or FSDP2 (fully_shard) model"),
         ("late-comm-hook", "registers its own DDP communication hook after the model's first forward"),
         ("module-forward", "stepped its optimizer before a forward through its DistributedDataParallel model"),
         ("spawn", "starts its own worker processes (torch.multiprocessing.spawn)"),
@@ -84,6 +85,17 @@ def test_a_script_that_cannot_be_probed_is_exit_2_on_one_line(tmp_path, mode, ex
     done, _ = probe(tmp_path, mode)
     assert done.returncode == 2, done.stderr[-2000:]
     assert expected in error_line(done)
+    assert no_workers_left()
+
+
+def test_a_script_that_exits_on_its_own_error_is_exit_3_with_the_line_it_wrote(tmp_path):
+    # A typo in the script's arguments: argparse prints its usage and the error, and exits with status 2. The probe's
+    # line said only "the script exited with status 2"; the reason was in each rank's log.
+    done = run_cli("probe", "--script", str(TINY), "--out", str(tmp_path / "run"), "--audits-only", "--no-plots",
+                   "--set", "distributed.nproc=2", "--set", "train.steps=3", "--", "--mode", "ok", "--stpes", "3")
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert ("the script exited with status 2 after 0 of 3 optimizer steps; the last line it wrote to stderr: "
+            "tiny_ddp.py: error: unrecognized arguments: --stpes 3") in error_line(done)
     assert no_workers_left()
 
 

@@ -11,10 +11,11 @@ original on exit, in reverse order, whatever happened in between.
 * ``torch.distributed.fsdp.fully_shard``: every module the script shards with FSDP2 is handed to the
   session, which takes the outermost one (the root, sharded last) as the trained model.
 * ``torch.distributed.fsdp.FullyShardedDataParallel.__init__`` (FSDP1): refused with a clear error before it shards
-  anything. Its gradients are reduce-scattered from flat parameters that neither DDP's buckets nor FSDP2's
+  anything (:mod:`.refusals`). Its gradients are reduce-scattered from flat parameters that neither DDP's buckets nor FSDP2's
   per-parameter shards describe, so nothing here would measure them; without this the script reached its first
   optimizer step and was told it had no distributed model at all.
-* ``torch.distributed.init_process_group``: the session learns when the script's process group exists.
+* ``torch.distributed.init_process_group``: the session learns when the script's process group exists. DeepSpeed's
+  engine, if the script imported it by then, is refused at its construction (:mod:`.refusals`).
 * ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
   probed (healthcheck already is the launcher), so it gets a clear error.
 * ``torch.distributed``'s blocking collectives (:data:`BLOCKING_COLLECTIVES`): their time counts as waiting on
@@ -37,7 +38,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.script import clipping, seeds, step_facts
+from healthcheck.integrations.script import clipping, refusals, seeds, step_facts
 from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
@@ -84,13 +85,6 @@ class Patches:
         while self._saved:
             owner, name, original = self._saved.pop()
             setattr(owner, name, original)
-
-
-#: What a script that wraps its model in FSDP1 is told (exit 2, before any rank shards it).
-FSDP1_REFUSED = (
-    "the script wraps its model in FullyShardedDataParallel (FSDP1), which healthcheck does not measure: it measures "
-    "DistributedDataParallel and FSDP2 (torch.distributed.fsdp.fully_shard; with accelerate, fsdp_version: 2)"
-)
 
 
 def install(session: Any) -> Patches:
@@ -142,13 +136,14 @@ def install(session: Any) -> Patches:
 
     def no_fsdp1(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            raise InvalidInput(FSDP1_REFUSED)
+            raise InvalidInput(refusals.FSDP1_REFUSED)
 
         return __init__
 
     def init_process_group(original: Any) -> Any:
         def init(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
+            refusals.refuse_deepspeed(patches)
             session.on_process_group()
             return out
 

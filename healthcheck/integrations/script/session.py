@@ -31,7 +31,7 @@ from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, Replay
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
-from healthcheck.integrations.script import observe
+from healthcheck.integrations.script import observe, refusals
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.closures import ClosureSteps
 from healthcheck.integrations.script.forwards import TrainingForwards
@@ -220,10 +220,7 @@ class ScriptSession:
         if self.complete:
             raise ProbeComplete()
         if self.model is None:
-            raise InvalidInput(
-                "the script stepped an optimizer before training a DistributedDataParallel or FSDP2 (fully_shard) "
-                "model; healthcheck attaches to those, and a single-process script has no workers to compare"
-            )
+            raise refusals.refuse_no_model()
         if not self._owns(optimizer) or self.scales.overflowed(optimizer):  # a GradScaler's skip, inside the optimizer
             return
         if self.monitor is None:
