@@ -9,6 +9,11 @@ Knows nothing about healthcheck. Lightning's automatic optimization runs every s
 model's forward to ``training_step``. Loss: token-level cross entropy on response tokens only, logged with
 ``self.log``; rank 0 writes its own loss of each step to ``--log`` (a Callback), as the Trainer returned it.
 
+``--strategy fsdp2`` shards the model with FSDP2 instead, as Lightning's docs write it: ``ModelParallelStrategy``
+(``data_parallel_size`` the ranks, no tensor parallelism) and a ``configure_model`` that calls ``fully_shard`` on each
+decoder layer, then on the model, over the strategy's data-parallel mesh. (Lightning's ``strategy="fsdp"`` is FSDP1,
+and needs a GPU.)
+
 ``--bug loss-x2-rank=R``: rank R multiplies its loss by 2 (a loss bug on one node).
 """
 
@@ -37,6 +42,16 @@ class CausalLM(L.LightningModule):
         self.log("train_loss", loss, prog_bar=False)
         return loss * self.loss_scale
 
+    def configure_model(self):  # --strategy fsdp2: Lightning calls it with its device mesh set
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
@@ -51,6 +66,14 @@ class LossLog(L.Callback):
                 f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
 
 
+def strategy(name, devices):
+    if name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return name
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--devices", type=int, default=4, help="ranks per node: the launcher's nproc")
@@ -63,9 +86,10 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bug", default="none", help="none, or loss-x2-rank=R")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = ap.parse_args()
     L.seed_everything(1234)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args.strategy, args.devices), max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                         callbacks=[LossLog(args.log)])
     if trainer.global_rank == 0 and os.path.exists(args.log):

@@ -1,4 +1,5 @@
-"""PyTorch Lightning's ``Trainer(strategy="ddp")`` probed unmodified (``tests/clients/lightning_ddp.py``).
+"""PyTorch Lightning's ``Trainer(strategy="ddp")``, and its FSDP2 strategy, probed unmodified
+(``tests/clients/lightning_ddp.py``).
 
 Lightning runs each step's forward and backward inside ``optimizer.step(closure)`` and routes the DDP model's
 forward to ``training_step``. Before, the probe refused it (exit 2, "stepped its optimizer before a forward through
@@ -33,3 +34,18 @@ def test_a_lightning_trainer_is_measured_and_a_rank_whose_loss_is_doubled_is_nam
                                script_args=("--bug", "loss-x2-rank=1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     assert failed_ranks(tmp_path / "bug") == {"audit.loss_weight": [1]}, failed_ranks(tmp_path / "bug")
+
+
+def test_lightnings_fsdp2_strategy_is_measured_and_a_rank_whose_loss_is_doubled_is_named(tiny_llama, tmp_path):  # noqa: F811
+    # ModelParallelStrategy with fully_shard in configure_model: the reduce-scatters carry the gradients, and the
+    # forward Lightning routes to training_step still gives each rank's loss and its weight in the backward.
+    out, log = tmp_path / "run", tmp_path / "loss.jsonl"
+    done = run_cli(*probe_args("lightning_ddp", out, tiny_llama, log, steps=4,
+                               script_args=("--strategy", "fsdp2", "--bug", "loss-x2-rank=2")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.loss_weight": [2]}, failed_ranks(out)
+    result = json.loads((out / "result.json").read_text())
+    assert result["audits"]["sharded_state"]["passed"] and result["audits"]["param_equality"]["measured"] is False
+    own = {row["step"]: row["loss"] for row in read_rows(log)}  # rank 0's loss, not doubled
+    probed = {row["step"]: row["loss"] for row in read_rows(out / "steps.jsonl") if row["rank"] == 0}
+    assert len(own) >= 3 and all(probed[step - 1] == pytest.approx(loss, rel=1e-5) for step, loss in own.items()), (own, probed)
