@@ -156,7 +156,7 @@ class LossCapture:
         if isinstance(log_probs, torch.Tensor) and isinstance(label_mask, torch.Tensor):
             # TRL zeroes ignored positions already; masking again costs nothing and does not rely on it.
             micro.fused = (-(log_probs.detach().float() * label_mask).sum(), label_mask.sum())
-            micro.fused_probe = WeightProbe(log_probs)
+            micro.fused_probe = WeightProbe(log_probs, counted=label_mask)
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
             micro.model_loss = loss.detach().float()
             micro.model_probe = WeightProbe(loss)
@@ -192,7 +192,7 @@ class LossCapture:
         else:
             summed = value.sum()
         micro.cross_entropy.append((summed, tokens))
-        micro.cross_entropy_probes.append(WeightProbe(result))
+        micro.cross_entropy_probes.append(WeightProbe(result, counted=target != ignore_index if result.dim() else None))
 
     def observe_label_smoother(self, smoother: Any, labels: Any, shift_labels: bool, num_items: Any, result: Any) -> None:
         """Called by the patched ``LabelSmoother.__call__``: its result is its per-token objective summed over the
@@ -292,6 +292,17 @@ class LossCapture:
 def _resolve(micro: _MicroBatch, compiled: bool) -> tuple[Any, Any, Optional[str]]:
     """(summed loss, tokens) of one micro-batch and the probe of the tensor it was read from, or the reason it
     cannot be known (``compiled``: a cross-entropy was met only in a torch.compile trace)."""
+    piece, probe, problem = _source(micro, compiled)
+    if probe is not None and probe.both_signs():
+        return None, None, (
+            "the backward pushes some of its tokens' likelihood up and others' down (a preference or RL objective, "
+            "such as DPO's, computed from per-token log-probs), so their mean NLL is not the loss this rank trains; "
+            "call healthcheck.record_loss(loss, tokens) to report it"
+        )
+    return piece, probe, problem
+
+
+def _source(micro: _MicroBatch, compiled: bool) -> tuple[Any, Any, Optional[str]]:
     if micro.problem is not None:
         return None, None, micro.problem
     if micro.fused is not None:

@@ -14,6 +14,13 @@ weight is the sum over its micro-batches: 1 for ``(loss / accum).backward()`` on
 
 A script that divides by a count over every rank (TRL, the Trainer's ``num_items_in_batch``) has
 w = c · N / N_all, which follows the data; :mod:`healthcheck.judge.loss_weight` tells the two apart.
+
+The same gradient says whether X is a loss at all (:meth:`WeightProbe.both_signs`). A token loss, however its
+tokens are weighted (per-sequence means, a dynamic weight per token), hands every counted token of X a gradient of
+one sign. A preference or RL objective computed from the same per-token log-probs does not: TRL's DPOTrainer sums
+them per sequence and trains ``-logsigmoid(β · (chosen − rejected))``, which pushes the chosen tokens' likelihood up
+and the rejected ones' down. Read as a loss, their mean NLL was reported as each rank's loss (6.23 on a tiny Llama
+whose DPO loss was 0.693).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ class WeightProbe:
     True
     """
 
-    def __init__(self, tensor: Any):
+    def __init__(self, tensor: Any, counted: Optional[Any] = None):
         self.value = tensor.detach()
+        self.counted = counted  #: per-token X: which of its entries are counted tokens (None: all)
         self.grad: Optional[Any] = None
         if tensor.requires_grad:
             tensor.register_hook(self._seen)
@@ -67,6 +75,30 @@ class WeightProbe:
             return torch.as_tensor(value, dtype=torch.float64, device=dot.device)
 
         return dot * as64(tokens) / as64(summed)
+
+    def both_signs(self) -> bool:
+        """Whether the backward handed X's counted tokens gradients of both signs: X is then no loss the script
+        minimises (a preference objective's log-probs), whatever its value. One host sync; False before a backward.
+
+        >>> import torch
+        >>> logps = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], requires_grad=True)
+        >>> nll, dpo = WeightProbe(logps), WeightProbe(logps, counted=torch.tensor([[True, True], [True, False]]))
+        >>> (-logps.sum(dim=1).mean()).backward(retain_graph=True)  # a token loss, per-sequence weights: one sign
+        >>> nll.both_signs()
+        False
+        >>> nll.grad = dpo.grad = None
+        >>> chosen, rejected = logps.sum(dim=1)
+        >>> (-torch.nn.functional.logsigmoid(0.1 * (chosen - rejected))).backward()  # DPO's: chosen up, rejected down
+        >>> nll.both_signs(), dpo.both_signs()
+        (True, True)
+        """
+        grad = self.grad
+        if grad is None or grad.dim() == 0:
+            return False
+        counted = self.counted
+        if counted is not None and counted.shape == grad.shape:
+            grad = grad[counted.bool().to(grad.device)]
+        return bool((grad > 0).any() & (grad < 0).any())
 
 
 def step_weight(weights: Sequence[Optional[Any]]) -> float:

@@ -1,0 +1,62 @@
+"""Preference fine-tuning with TRL's DPOTrainer (CPU, gloo): each alpaca row's own output is the chosen completion,
+the next row's output the rejected one.
+
+torchrun --nproc_per_node 2 -- trl_dpo.py --model DIR --data JSON --steps 3 --log loss.jsonl
+
+Knows nothing about healthcheck. TRL computes the policy's per-token log-probs with the same fused head as its
+SFTTrainer, sums them per sequence, and trains ``-logsigmoid(beta * (chosen - rejected))`` against a frozen copy of
+the model (the reference, which TRL makes itself). Appends each logged per-step "loss" (logging_steps=1) to --log as
+JSON lines on rank 0, as it is logged.
+"""
+
+import argparse
+import json
+import tempfile
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+from trl_sft import LossFile, alpaca_prompt  # the same prompt and loss file as the SFT client (this folder is on sys.path)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--beta", type=float, default=0.1)
+    args = ap.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    with open(args.data) as f:
+        rows = json.load(f)[: args.rows]
+    ds = Dataset.from_list([{"prompt": alpaca_prompt(r), "chosen": r["output"], "rejected": rows[(i + 1) % len(rows)]["output"]}
+                            for i, r in enumerate(rows)])
+    cfg = DPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_dpo_"),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        logging_steps=1,
+        learning_rate=1e-4,
+        max_length=args.max_len,
+        beta=args.beta,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=1234,
+        dataloader_num_workers=0,
+    )
+    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    trainer.add_callback(LossFile(args.log))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

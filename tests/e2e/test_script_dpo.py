@@ -1,0 +1,31 @@
+"""TRL's DPOTrainer probed unmodified (``tests/clients/trl_dpo.py``): its objective is no token loss.
+
+DPO computes per-token log-probs with the same fused head as TRL's SFTTrainer, which the loss capture reads as
+a token loss. Before, each rank's "loss" was their mean NLL (6.23 on the tiny Llama, where DPO's loss was 0.693),
+reported as measured. The backward tells them apart: it pushes the chosen tokens up and the rejected ones down.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.conftest import read_rows, run_cli
+from tests.e2e.test_script_mode import DATA, probe_args, tiny_llama  # noqa: F401 (tiny_llama is a fixture)
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not beside this checkout")
+
+
+def test_a_dpo_trainers_loss_is_not_measured_and_says_why_while_its_gradients_are(tiny_llama, tmp_path):  # noqa: F811
+    out, log = tmp_path / "run", tmp_path / "loss.jsonl"
+    done = run_cli(*probe_args("trl_dpo", out, tiny_llama, log, steps=3, extra=("--set", "distributed.nproc=2")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert "a preference or RL objective, such as DPO's" in result["loss_note"], result["loss_note"]
+    rows = read_rows(out / "steps.jsonl")
+    assert len(rows) == 6 and all(row["loss"] is None and row["grad_norm"] > 0 for row in rows), rows
+    assert result["audits"]["param_equality"]["passed"] and result["audits"]["data_shards"]["passed"]
+    # The trainer's own loss, for the record: DPO's starts at log 2, far from any token NLL.
+    assert [row["loss"] for row in read_rows(log)][0] == pytest.approx(0.6931, abs=1e-3)
