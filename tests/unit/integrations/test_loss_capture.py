@@ -147,6 +147,34 @@ def test_losses_without_a_per_token_meaning_are_not_measured(kind):
     assert {"weight": "class weights", "soft": "soft", "none": "no loss was observed"}[kind] in got.reason
 
 
+@pytest.mark.parametrize("source", ["cross_entropy", "fused"])
+@pytest.mark.parametrize("objective", ["per-sequence mean", "dpo"])
+def test_per_token_log_probs_are_a_loss_only_if_the_backward_gives_them_one_sign(source, objective):
+    # A custom DPO takes its log-probs from a per-token cross-entropy; TRL's from its fused head. Per-sequence
+    # means weigh tokens unevenly but all one way, so the token-weighted NLL is still the rank's loss.
+    model = Tiny("fused" if source == "fused" else "logits")
+    x, labels = batch(8, 2)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x, labels=labels)
+        if source == "fused":
+            logps, mask = out.log_probs, out.label_mask
+        else:
+            logps = -F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1), reduction="none").reshape(2, 6)
+            mask = labels != -100
+        per_sequence = (logps * mask).sum(dim=1)
+        if objective == "dpo":  # sequence 0 chosen, sequence 1 rejected, against a reference at 0
+            loss = -F.logsigmoid(0.1 * (per_sequence[0] - per_sequence[1]))
+        else:
+            loss = -(per_sequence / mask.sum(dim=1)).mean()
+        loss.backward()
+        got = capture.take()
+    if objective == "dpo":
+        assert got.loss is None and "a preference or RL objective, such as DPO's" in got.reason, got
+    else:
+        assert got.loss is not None and got.tokens == int(mask.sum()) and math.isfinite(got.weight), got
+
+
 def test_record_loss_wins_and_is_a_no_op_outside_a_probe():
     record_loss(123.0)  # nothing active: nothing happens
     model = Tiny()
