@@ -10,6 +10,8 @@ torchrun --nproc_per_node 4 -- hf_trainer.py --model DIR --data JSON --steps 6 -
 `--sampling group_by_length` (or `sequential`) sets `train_sampling_strategy` (transformers 5's `group_by_length`).
 `--lora R`: trains LoRA adapters of rank R on the attention projections (peft's `get_peft_model`), the base frozen;
 the Trainer then wraps a `PeftModel`, which is no `PreTrainedModel`, so DDP gets `find_unused_parameters=True`.
+`--bf16-rank R`: rank R trains with `bf16=True` (accelerate's bf16 autocast, entered inside the model's forward), as a
+per-node launch config that switches it on would.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
 forward hook the Trainer registers), as a per-node launch config that switches it on would.
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
@@ -67,6 +69,7 @@ def main():
     ap.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments(label_smoothing_factor=...)")
     ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
     ap.add_argument("--neftune-rank", type=int, default=-1, help="this rank trains with neftune_noise_alpha=5")
+    ap.add_argument("--bf16-rank", type=int, default=-1, help="this rank trains with bf16=True")
     ap.add_argument("--sampling", default="random", help="train_sampling_strategy: random, sequential, group_by_length")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (peft), the base frozen")
     ap.add_argument("--stream", choices=["no", "dispatch", "shard"], default="no",
@@ -130,6 +133,7 @@ def main():
         label_smoothing_factor=args.label_smoothing,
         train_sampling_strategy=args.sampling,
         neftune_noise_alpha=5.0 if int(os.environ.get("RANK", 0)) == args.neftune_rank else None,
+        bf16=int(os.environ.get("RANK", 0)) == args.bf16_rank,
         **({"accelerator_config": {"dispatch_batches": False}} if args.stream == "shard" else {}),
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate)

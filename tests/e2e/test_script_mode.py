@@ -233,6 +233,21 @@ def test_a_trainer_rank_with_neftune_is_not_sent_to_be_drained(tiny_llama, tmp_p
     assert "rank 1 1x forward neftune_post_forward_hook" in message and "drain the node" not in message, message
 
 
+def test_a_trainer_rank_in_bf16_is_named_for_its_precision_not_its_device(tiny_llama, tmp_path):
+    # TrainingArguments(bf16=True) on one rank: accelerate replaces the model's forward by one that enters autocast
+    # inside the DDP forward, after healthcheck's pre-hook. That rank read fp32, and the replay, which alone saw it,
+    # advised draining a sound node.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2, script_args=("--bf16-rank", "3")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_early"]["step"] == 0 and result["stopped_early"]["check"] == "environment", result["stopped_early"]
+    assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["fp32"] * 3 + ["bfloat16 autocast"]
+    message = result["audits"]["environment"]["message"]
+    assert "precision differs: ranks 0-2 fp32; rank 3 bfloat16 autocast" in message, message
+    assert "drain the node" not in result["audits"]["replay"]["message"], result["audits"]["replay"]
+
+
 @pytest.mark.parametrize(
     "variant",
     [

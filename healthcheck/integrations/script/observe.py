@@ -29,6 +29,8 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
     precision = "fp32"
     if torch.is_autocast_enabled(device_type):
         precision = f"{str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')} autocast"
+    else:
+        precision = forward_autocast(module, device_type) or precision
     return {
         "rng": rng_state_hashes(device),
         "torch_seed": int(torch.initial_seed()),
@@ -39,6 +41,58 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         "module": module_facts(module),
         "hooks": module_hooks(module),
     }
+
+
+def forward_autocast(module: Any, device_type: str) -> Optional[str]:
+    """The autocast a forward of ``module`` or of one of its submodules enters inside itself, from the wrapper an
+    instance's ``forward`` was replaced by (``torch.autocast`` as a decorator), or None.
+
+    accelerate's mixed precision (the Trainer's ``bf16=True``, ``Accelerator(mixed_precision=...)``) replaces the model's
+    ``forward`` by one that enters autocast, inside the DDP forward this pre-hook runs before. A rank given
+    ``bf16=True`` by its own launch config read fp32 here, trained in bf16, and the replay audit, which alone saw it,
+    told to drain a sound node. Read from the wrappers, not from hooks on the layers: those would break a compiled
+    model's graph.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> forward_autocast(net, "cpu") is None
+    True
+    >>> net[0].forward = torch.autocast("cpu", dtype=torch.bfloat16)(net[0].forward)
+    >>> forward_autocast(net, "cpu")
+    'bfloat16 autocast'
+    """
+    for sub in module.modules():
+        found = _autocast_in(vars(sub).get("forward"), device_type)
+        if found is not None:
+            return f"{str(found.fast_dtype).removeprefix('torch.')} autocast"
+    return None
+
+
+def _autocast_in(fn: Any, device_type: str, depth: int = 8, seen: Optional[set[int]] = None) -> Any:
+    """An enabled ``torch.autocast`` for ``device_type`` among ``fn``'s wrappers (closures and ``__wrapped__``)."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if fn is None or depth == 0 or id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "model_forward", None)]  # accelerate's ConvertOutputsToFp32
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.autocast):
+            if value._enabled and value.device == device_type:
+                return value
+        elif callable(value) and not isinstance(value, type):
+            inner.append(value)
+    for candidate in inner:
+        found = _autocast_in(candidate, device_type, depth - 1, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def rank_info(facts: dict[str, Any], plan: Optional[SamplerPlan], monitor: Any) -> tuple[RankInfo, Any]:
