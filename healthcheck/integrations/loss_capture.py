@@ -36,6 +36,7 @@ import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
+from healthcheck.integrations.cross_entropy_calls import resolve_calls
 from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_hooks import (
     ACTIVE,
@@ -307,13 +308,8 @@ def _source(micro: _MicroBatch, compiled: bool) -> tuple[Any, Any, Optional[str]
         return None, None, micro.problem
     if micro.fused is not None:
         return micro.fused, micro.fused_probe, None
-    if micro.cross_entropy:
-        distinct = _distinct(micro.cross_entropy)
-        if len(distinct) > 1:
-            return None, None, f"{len(distinct)} different cross-entropy losses were computed; which one trains is unknown"
-        # Of equal values, the one the backward went through (a script's recomputation for logging gets none).
-        equal = [micro.cross_entropy_probes[i] for i in distinct[0]]
-        return micro.cross_entropy[distinct[0][0]], next((p for p in equal if p.grad is not None), equal[0]), None
+    if micro.cross_entropy:  # duplicates, losses for a log, chunks of one loss
+        return resolve_calls(micro.cross_entropy, micro.cross_entropy_probes)
     if micro.model_loss is not None:
         tokens = _label_tokens(micro.labels)
         if micro.num_items is not None:
@@ -330,23 +326,6 @@ def _source(micro: _MicroBatch, compiled: bool) -> tuple[Any, Any, Optional[str]
         "no loss was observed (no cross-entropy call, no fused log-probs, no model loss); "
         "call healthcheck.record_loss(loss, tokens) for a custom loss"
     )
-
-
-def _distinct(entries: list[tuple[Any, Any]]) -> list[list[int]]:
-    """The entries' indices grouped by equal value: the same loss is often computed twice (inside a Hugging Face
-    model given labels, and again by the script), and equal values count once. One host sync per micro-batch
-    with several calls only."""
-    groups: list[list[int]] = []
-    for index, (summed, tokens) in enumerate(entries):
-        s, n = float(summed), int(tokens)
-        for group in groups:
-            o, c = entries[group[0]]
-            if abs(s - float(o)) <= 1e-6 * max(1.0, abs(s)) and n == int(c):
-                group.append(index)
-                break
-        else:
-            groups.append([index])
-    return groups
 
 
 def _combine(entries: list[tuple[Any, Any]], probes: list[WeightProbe]) -> StepLoss:

@@ -63,18 +63,17 @@ class WeightProbe:
             return
         self.grad = grad.detach() if self.grad is None else self.grad + grad.detach()
 
-    def weight(self, summed: Any, tokens: Any) -> Optional[Any]:
-        """``⟨G, X⟩ · N / S`` as a float64 tensor (no host sync), or None where no gradient reached X."""
+    def dot(self) -> Optional[Any]:
+        """``⟨G, X⟩`` as a float64 tensor (no host sync), or None where no gradient reached X."""
         if self.grad is None:
             return None
         import torch
 
-        dot = (self.grad.to(torch.float64) * self.value.to(torch.float64)).sum()
+        return (self.grad.to(torch.float64) * self.value.to(torch.float64)).sum()
 
-        def as64(value: Any) -> Any:
-            return torch.as_tensor(value, dtype=torch.float64, device=dot.device)
-
-        return dot * as64(tokens) / as64(summed)
+    def weight(self, summed: Any, tokens: Any) -> Optional[Any]:
+        """``⟨G, X⟩ · N / S`` as a float64 tensor (no host sync), or None where no gradient reached X."""
+        return _per(self.dot(), summed, tokens)
 
     def both_signs(self) -> bool:
         """Whether the backward handed X's counted tokens gradients of both signs: X is then no loss the script
@@ -99,6 +98,43 @@ class WeightProbe:
         if counted is not None and counted.shape == grad.shape:
             grad = grad[counted.bool().to(grad.device)]
         return bool((grad > 0).any() & (grad < 0).any())
+
+
+class JointProbe:
+    """Several captured tensors that are one loss together (the chunks of a chunked cross-entropy): S and N are
+    their sums, and ``⟨G, X⟩`` is the sum of theirs."""
+
+    def __init__(self, probes: Sequence[WeightProbe]):
+        self.probes = list(probes)
+
+    @property
+    def grad(self) -> Optional[Any]:
+        return next((probe.grad for probe in self.probes if probe.grad is not None), None)
+
+    def weight(self, summed: Any, tokens: Any) -> Optional[Any]:
+        dots = [probe.dot() for probe in self.probes]
+        known = [dot for dot in dots if dot is not None]
+        if not dots or len(known) < len(dots):
+            return None
+        total = known[0]
+        for dot in known[1:]:
+            total = total + dot
+        return _per(total, summed, tokens)
+
+    def both_signs(self) -> bool:
+        return any(probe.both_signs() for probe in self.probes)
+
+
+def _per(dot: Optional[Any], summed: Any, tokens: Any) -> Optional[Any]:
+    """``dot · N / S``: the loss's weight in the backward."""
+    if dot is None:
+        return None
+    import torch
+
+    def as64(value: Any) -> Any:
+        return torch.as_tensor(value, dtype=torch.float64, device=dot.device)
+
+    return dot * as64(tokens) / as64(summed)
 
 
 def step_weight(weights: Sequence[Optional[Any]]) -> float:

@@ -35,6 +35,9 @@ of rank R+1, as a node whose RANK is read from the wrong variable would) and ``s
 ignores ``get_worker_info()``: with ``--workers 2`` each DataLoader worker yields the rank's whole part, torch's
 documented pitfall).
 
+``--loss-chunks K`` computes the loss as torchtune's ``CEWithChunkedOutputLoss`` does, to save memory: the
+cross-entropy of K slices of the sequence, each with ``reduction="sum"``, added and divided by the token count.
+
 ``--muon`` trains as nanochat does, with two optimizers stepped one after the other: ``torch.optim.Muon`` for the
 decoder's 2-D weight matrices and AdamW for the embeddings, the head and the norms. With it, the bug
 ``adamw-lr-rank=R`` gives rank R's AdamW ten times the learning rate (a per-node override of one optimizer's).
@@ -119,7 +122,8 @@ def make_collate(pad_id, drop_eos=False):
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0,
-                 zero_grad=True):
+                 zero_grad=True, loss_chunks=1):
+        self.loss_chunks = loss_chunks
         self.rank = int(os.environ["RANK"])
         self.zero_grad = zero_grad
         self.loss_scale = loss_scale
@@ -139,8 +143,14 @@ class Trainer:
         logits = self.model(input_ids=input_ids, attention_mask=attn).logits
         shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)
-        loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum",
-                                   label_smoothing=self.smoothing)
+        if self.loss_chunks > 1:  # torchtune's CEWithChunkedOutputLoss: the sequence in slices, each one summed
+            loss_sum = sum(F.cross_entropy(part.reshape(-1, part.size(-1)), target.reshape(-1), ignore_index=-100,
+                                           reduction="sum", label_smoothing=self.smoothing)
+                           for part, target in zip(logits[:, :-1].chunk(self.loss_chunks, dim=1),
+                                                   labels[:, 1:].chunk(self.loss_chunks, dim=1), strict=True))
+        else:
+            loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum",
+                                       label_smoothing=self.smoothing)
         ntok = (shift_labels != -100).sum()
         loss = self.loss_scale * loss_sum / ntok.clamp(min=1)  # local token mean; DDP averages gradients over ranks
         loss.backward()
@@ -203,6 +213,8 @@ def main():
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
     ap.add_argument("--stream", action="store_true", help="an IterableDataset that shards itself by rank")
+    ap.add_argument("--loss-chunks", type=int, default=1,
+                    help="the cross-entropy over this many slices of the sequence, summed (torchtune's chunked loss)")
     ap.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices and AdamW for the rest, as nanochat")
     args = ap.parse_args()
 
@@ -272,7 +284,7 @@ def main():
     pause_s = 0.05 if faulted("slow-rank") else 0.0
     smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
     trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing,
-                      zero_grad=not faulted("no-zero-grad-rank"))
+                      zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks)
     if rank == args.look_first_rank:
         trainer.look_first()
     trainer.train()

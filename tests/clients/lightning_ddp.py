@@ -89,7 +89,8 @@ def main():
     ap.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = ap.parse_args()
     L.seed_everything(1234)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args.strategy, args.devices), max_steps=args.steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args.strategy, args.devices),
+                        max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                         callbacks=[LossLog(args.log)])
     if trainer.global_rank == 0 and os.path.exists(args.log):

@@ -129,6 +129,38 @@ def test_the_same_loss_computed_twice_counts_once_and_two_different_ones_are_ref
     assert refused.loss is None and "2 different cross-entropy losses" in refused.reason
 
 
+@pytest.mark.parametrize("case", ["chunked", "chunked-mean", "logged", "auxiliary"])
+def test_several_cross_entropies_are_told_apart_by_the_backward(case):
+    # torchtune's CEWithChunkedOutputLoss: sums over slices of the sequence, over the micro-batch's token count (the
+    # last chunk all padding); a loss over every token computed for a log; a second loss at half the weight.
+    model = Tiny()
+    x, labels = batch(9, 2)
+    labels[:, -2:] = -100
+    with LossCapture() as capture:
+        capture.watch(model)
+        logits, flat = model(x, labels=labels), labels
+        tokens = (flat != -100).sum()
+        if case.startswith("chunked"):
+            mean = case == "chunked-mean"
+            chunks = [F.cross_entropy(logits[:, i:i + 2].reshape(-1, 5), flat[:, i:i + 2].reshape(-1),
+                                      reduction="mean" if mean else "sum") for i in (0, 2, 4)]
+            counts = [(flat[:, i:i + 2] != -100).sum() for i in (0, 2, 4)]
+            loss = sum(torch.nan_to_num(c) * (n if mean else 1) for c, n in zip(chunks, counts)) / tokens
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, 5), flat.reshape(-1))
+            other = F.cross_entropy(logits.reshape(-1, 5), labels.clamp(min=0).reshape(-1))  # every position counted
+            if case == "auxiliary":
+                loss = loss + 0.5 * other
+        (2 * loss).backward()
+        got = capture.take()
+    if case == "auxiliary":
+        assert got.loss is None and "2 different cross-entropy losses" in got.reason, got
+    else:
+        want, count = expected(model, [(x, labels)])
+        assert got.tokens == count and got.loss == pytest.approx(want, rel=1e-6), got
+        assert got.weight == pytest.approx(2.0, rel=1e-6), got
+
+
 @pytest.mark.parametrize("kind", ["weight", "soft", "none"])
 def test_losses_without_a_per_token_meaning_are_not_measured(kind):
     model = Tiny()
