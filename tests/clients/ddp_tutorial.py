@@ -17,8 +17,10 @@ data file lacks its first row: same length, other samples at each index), ``no-e
 drops each sample's last token, the EOS, as a per-node tokenizer config without the EOS would),
 ``no-zero-grad-rank=R`` (rank R never calls ``optimizer.zero_grad()``, as a rank whose call sits in a branch it
 never takes would; DDP still gives every rank the same update, so the parameters stay equal),
-``matmul-medium-rank=R`` (rank R calls ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch
-config adds: bf16 matmuls in oneDNN, TF32 in cuBLAS) and ``slow-rank=R``
+``nodecay-lr-rank=R`` (every rank splits AdamW into a decay and a no-decay group, as nanoGPT and the Trainer do, and
+rank R's no-decay group has 10x the learning rate), ``matmul-medium-rank=R`` (rank R calls
+``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch config adds: bf16 matmuls in oneDNN,
+TF32 in cuBLAS) and ``slow-rank=R``
 (rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
@@ -276,6 +278,12 @@ def main():
         others = [p for n, p in model.named_parameters() if not (p.ndim == 2 and ".layers." in n)]
         adamw_lr = args.lr * (10 if faulted("adamw-lr-rank") else 1)
         opt = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=adamw_lr)]
+    elif "nodecay-lr-rank" in bugs:  # decay and no-decay groups, as nanoGPT and the Trainer build them
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        nodecay = [p for p in model.parameters() if p.ndim < 2]
+        nodecay_lr = args.lr * (10 if faulted("nodecay-lr-rank") else 1)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0, "lr": nodecay_lr}],
+                                lr=args.lr)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if int(os.environ["RANK"]) == 0 and os.path.exists(args.log):

@@ -147,7 +147,8 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # uniform distribution, label smoothing barely moves the statistics); a rank whose model config is another
         # revision (the same parameters, another function: only the replay noticed it, and blamed the device); a rank
         # with its own batch size (its DistributedSampler shard is still disjoint: only the loader's setting shows it).
-        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1,norm-eps-rank=2,batch-size-rank=3", STEPS,
+        # A rank whose no-decay group has its own learning rate (the first group, which alone was read, agrees).
+        ("sampler-seed-per-rank,eval-pass-rank=0,label-smoothing-rank=1,norm-eps-rank=2,batch-size-rank=3,nodecay-lr-rank=1", STEPS,
          {"audit.data_shards": {1, 2, 3}, "audit.environment": {0, 1, 2, 3}}),
         # Judged after the run, over its steps (--no-fail-fast). Exact: the backward hands rank 3's loss twice the others'
         # gradient (judge/loss_weight.py; the gradient norms' outlier test needed 12 steps). Rank 2 is slow after its
@@ -188,6 +189,7 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
                     "label-smoothing-rank": ["loss.label_smoothing"],
                     "norm-eps-rank": ["model.config.rms_norm_eps", "model.modules.LlamaRMSNorm"],
                     "batch-size-rank": ["data.batch_size"],
+                    "nodecay-lr-rank": ["optimizer[1].lr"],
                     # "medium" lowers every backend's fp32 matmul that has no precision of its own: cuBLAS and oneDNN
                     "matmul-medium-rank": ["fp32_precision.cuda.matmul", "fp32_precision.mkldnn.matmul"]}
         named = [s for bug in bugs.split(",") for s in settings.get(bug.partition("=")[0], [])]

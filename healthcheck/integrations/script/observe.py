@@ -133,13 +133,38 @@ def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loade
     }
 
 
+#: Parameter groups after the first whose settings are facts of their own; the rest are one digest.
+_GROUPS_NAMED = 8
+
+
 def optimizer_facts(optimizer: Any) -> dict[str, str]:
-    """The optimizer's class and its first parameter group's hyperparameters (a rank with its own
-    learning rate differs here before its parameters do)."""
-    facts = {"optimizer": type(optimizer).__name__, "optimizer.param_groups": str(len(optimizer.param_groups))}
-    for key, value in sorted(optimizer.param_groups[0].items()) if optimizer.param_groups else ():
-        if key != "params" and isinstance(value, (int, float, str, bool, tuple, type(None))):
-            facts[f"optimizer.{key}"] = repr(value)
+    """The optimizer's class and its parameter groups' hyperparameters (a rank with its own learning rate differs
+    here before its parameters do): the first group's as ``optimizer.<name>``, the next ones' as
+    ``optimizer[i].<name>`` (a rank whose no-decay group, or its embeddings' group, has its own learning rate was
+    named only by ``param_equality``, a step later, without the setting), and beyond them a digest.
+
+    >>> import torch
+    >>> weight, bias = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    >>> facts = optimizer_facts(torch.optim.AdamW([{"params": [weight]}, {"params": [bias], "lr": 1e-4}], lr=1e-3))
+    >>> facts["optimizer.lr"], facts["optimizer[1].lr"], facts["optimizer[1].weight_decay"]
+    ('0.001', '0.0001', '0.01')
+    """
+    import hashlib
+
+    groups = optimizer.param_groups
+    facts = {"optimizer": type(optimizer).__name__, "optimizer.param_groups": str(len(groups))}
+    rest = []
+    for index, group in enumerate(groups):
+        settings = {key: repr(value) for key, value in sorted(group.items())
+                    if key != "params" and isinstance(value, (int, float, str, bool, tuple, type(None)))}
+        if index > _GROUPS_NAMED:
+            rest.append(settings)
+            continue
+        prefix = "optimizer." if index == 0 else f"optimizer[{index}]."
+        facts.update({prefix + key: value for key, value in settings.items()})
+    if rest:
+        digest = hashlib.sha256(repr(rest).encode()).hexdigest()[:12]
+        facts[f"optimizer[{_GROUPS_NAMED + 1}:]"] = f"{len(rest)} groups, sha256 {digest}"
     return facts
 
 
