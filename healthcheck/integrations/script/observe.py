@@ -60,11 +60,24 @@ def forward_autocast(module: Any, device_type: str) -> Optional[str]:
     >>> net[0].forward = torch.autocast("cpu", dtype=torch.bfloat16)(net[0].forward)
     >>> forward_autocast(net, "cpu")
     'bfloat16 autocast'
+    >>> class Half(torch.nn.Linear):
+    ...     @torch.autocast("cpu", dtype=torch.float16)
+    ...     def forward(self, x):
+    ...         return super().forward(x)
+    >>> forward_autocast(torch.nn.Sequential(Half(2, 2)), "cpu"), forward_autocast(Half(2, 2), "cuda") is None
+    ('float16 autocast', True)
     """
+    classes: set[type] = set()
     for sub in module.modules():
-        found = _autocast_in(vars(sub).get("forward"), device_type)
-        if found is not None:
-            return f"{str(found.fast_dtype).removeprefix('torch.')} autocast"
+        # The instance's forward (accelerate's wrapper), and its class's once (a forward decorated where it is defined).
+        forwards = [vars(sub).get("forward")]
+        if type(sub) not in classes:
+            classes.add(type(sub))
+            forwards.append(getattr(type(sub), "forward", None))
+        for forward in forwards:
+            found = _autocast_in(forward, device_type)
+            if found is not None:
+                return f"{str(found.fast_dtype).removeprefix('torch.')} autocast"
     return None
 
 
