@@ -59,6 +59,8 @@ class StepLoss:
     reason: Optional[str] = None  #: why ``loss`` is None
     #: The loss's weight in this rank's backward (:mod:`healthcheck.integrations.loss_weight`); NaN: not known.
     weight: float = math.nan
+    #: The unit roundoff of the coarsest dtype the weight was read in (``WeightProbe.rounding``).
+    weight_rounding: float = 0.0
 
 
 @dataclasses.dataclass
@@ -336,7 +338,7 @@ def _combine(entries: list[tuple[Any, Any]], probes: list[WeightProbe]) -> StepL
     if tokens <= 0:
         return StepLoss(None, tokens, "the step had no loss-carrying tokens")
     weight = step_weight([probe.weight(s, t) for probe, (s, t) in zip(probes, entries, strict=True)])
-    return StepLoss(float(summed) / tokens, tokens, None, weight)
+    return StepLoss(float(summed) / tokens, tokens, None, weight, max((probe.rounding for probe in probes), default=0.0))
 
 
 def _traced(value: Any) -> bool:

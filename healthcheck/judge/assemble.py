@@ -84,8 +84,8 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
             columns[metric][row["rank"]] = row.get(metric)
     outcomes["zero_gradients"] = zero_gradients_audit({step: columns["grad_norm"] for step, columns in per_step.items()})
     if config.script is not None:  # script mode's readings: the loss's weight, stale gradients, the learning rate
-        read = {key: _by_step(rows, key, world) for key in ("loss_weight", "tokens", "grads_carried", "lr")}
-        outcomes["loss_weight"] = loss_weight_audit(read["loss_weight"], read["tokens"])
+        read = {key: _by_step(rows, key, world) for key in ("loss_weight", "loss_weight_u", "tokens", "grads_carried", "lr")}
+        outcomes["loss_weight"] = loss_weight_audit(read["loss_weight"], read["tokens"], rounding=read["loss_weight_u"])
         outcomes["stale_gradients"] = stale_gradients_audit(read["grads_carried"])
         outcomes["learning_rate"] = learning_rate_audit(read["lr"])
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)

@@ -107,7 +107,8 @@ class StepAudits:
         """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``, ``lr``): the outcomes that fail, by audit name."""
         outcomes = {}
         weights = extras.get("loss_weight")
-        if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens)) is not None:
+        rounding = extras.get("loss_weight_u")
+        if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens, rounding)) is not None:
             outcomes["loss_weight"] = weight_outcome
         # Exact per-step readings: judged once a step's values, read on every rank, differ.
         for name, key, store, audit in (("stale_gradients", "grads_carried", self.readings, stale_gradients_audit),

@@ -35,14 +35,21 @@ from healthcheck.judge.audit_outcome import (
 #: rounding of the loss and its gradient is ~1e-7, and a scale that matters is far above 1e-4.
 TOLERANCE = 1e-4
 
+#: Unit roundoffs within which weights read in a coarser dtype are the same: each weight carries the rounding of the
+#: loss and of its gradient (2u), a ratio of two weights twice that, and a ratio compared across steps twice again.
+ROUNDINGS = 8
+
 
 def loss_weight_audit(
     weights: Mapping[int, Sequence[Optional[float]]],
     tokens: Optional[Mapping[int, Sequence[Optional[float]]]] = None,
     tolerance: float = TOLERANCE,
+    rounding: Optional[Mapping[int, Sequence[Optional[float]]]] = None,
 ) -> AuditOutcome:
     """Judge ``step -> per-rank weight`` (None where a rank's loss was not seen in its backward), and, where the
-    weights follow the data, the weights per token (``tokens``: ``step -> per-rank`` loss tokens).
+    weights follow the data, the weights per token (``tokens``: ``step -> per-rank`` loss tokens). ``rounding``:
+    ``step -> per-rank`` unit roundoff the weights were read to; the tolerance grows to :data:`ROUNDINGS` of the
+    largest (a loss computed in bf16: 3%, still far under the scales that matter).
 
     >>> clean = {s: [1.0, 1.0, 1.0, 1.0] for s in range(5)}
     >>> print(loss_weight_audit(clean).message)
@@ -56,8 +63,13 @@ def loss_weight_audit(
     rank 2's loss enters its backward with 1.5x the weight per token of ranks 0-1, 3's, ...
     >>> loss_weight_audit(global_count).signature  # without the counts
     'data-dependent'
+    >>> bf16 = {s: [1.0 + 0.003 * ((s + r) % 3 - 1) for r in range(4)] for s in range(5)}  # weights of 1, read in bf16
+    >>> loss_weight_audit(bf16).signature, loss_weight_audit(bf16, rounding={s: [2.0**-8] * 4 for s in bf16}).signature
+    ('data-dependent', 'equal')
     """
     judged = sorted(s for s, row in weights.items() if row and all(_positive(w) for w in row))
+    units = [u for s in judged for u in (rounding or {}).get(s, ()) if u is not None and math.isfinite(u)]
+    tolerance = max([tolerance] + [ROUNDINGS * u for u in units])
     if len(judged) < 2:
         return not_measured(
             f"{len(judged)} step(s) in which every rank's captured loss reached its backward; 2 are needed to tell "
@@ -89,19 +101,22 @@ def loss_weight_audit(
             measured=False,
         )
     world, steps = len(ratios), len(judged)
+    # The digits the weights are known to: 4 (6 for the weight every rank shares) in float32, 2 in bf16.
+    precise = tolerance <= TOLERANCE
+    digits = 4 if precise else max(2, int(-math.log10(tolerance)) + 1)
     levels = group_ranks([ratios[r][0] for r in range(world)], same=lambda a, b: _same(a, b, tolerance))
     if len(levels) == 1:
         first = [table[s][0] for s in judged]
         if per:
             same = f"per token (the script divides by a count over every rank), in each of {steps} steps"
         elif all(_same(first[0], w, tolerance) for w in first):
-            same = f"({first[0]:.6g} in each of {steps} steps)"
+            same = f"({first[0]:.{6 if precise else digits}g} in each of {steps} steps)"
         else:
             same = f"(equal across ranks in {steps} steps)"
         return AuditOutcome(True, f"every rank's loss enters its backward with the same weight {same}", "equal", (), details)
     odd = odd_ones_out(levels)
     if len(odd) == world:  # no majority: every level is named
-        listed = ", ".join(f"{ranks_phrase(g)} {ratios[g[0]][0]:.4g}" for g in sorted(levels, key=min))
+        listed = ", ".join(f"{ranks_phrase(g)} {ratios[g[0]][0]:.{digits}g}" for g in sorted(levels, key=min))
         message = (
             f"the ranks' losses enter their backward with different weights{per}, in each of {steps} steps: "
             f"{listed} (relative to the median)"
@@ -109,13 +124,13 @@ def loss_weight_audit(
     else:
         majority, base = levels[0], ratios[levels[0][0]][0]
         parts = [
-            f"{ranks_phrase(g)}'s loss enters its backward with {ratios[g[0]][0] / base:.4g}x the weight{per} of "
+            f"{ranks_phrase(g)}'s loss enters its backward with {ratios[g[0]][0] / base:.{digits}g}x the weight{per} of "
             f"{ranks_phrase(majority)}'s"
             for g in levels[1:]
         ]
         message = "; ".join(parts) + f", in each of {steps} steps"
         if len(levels) == 2:
-            message += f": that data trains the model {ratios[levels[1][0]][0] / base:.4g}x as hard"
+            message += f": that data trains the model {ratios[levels[1][0]][0] / base:.{digits}g}x as hard"
     return AuditOutcome(False, message, partition_signature(levels), tuple(odd), details)
 
 
@@ -139,13 +154,17 @@ class LossWeightWatch:
         self.decisive_steps = decisive_steps
         self.weights: dict[int, list[Optional[float]]] = {}
         self.tokens: dict[int, list[Optional[float]]] = {}
+        self.rounding: dict[int, list[Optional[float]]] = {}
 
-    def add(self, step: int, weights: Sequence[Optional[float]], tokens: Optional[Sequence[Optional[float]]]) -> Optional[AuditOutcome]:
+    def add(self, step: int, weights: Sequence[Optional[float]], tokens: Optional[Sequence[Optional[float]]],
+            rounding: Optional[Sequence[Optional[float]]] = None) -> Optional[AuditOutcome]:
         """Record a step; the audit's failure once it has judged ``decisive_steps`` steps, else None."""
         self.weights[step] = list(weights)
         if tokens is not None:
             self.tokens[step] = [float(n) if n is not None else None for n in tokens]
-        outcome = loss_weight_audit(self.weights, self.tokens)
+        if rounding is not None:
+            self.rounding[step] = list(rounding)
+        outcome = loss_weight_audit(self.weights, self.tokens, rounding=self.rounding)
         if outcome.passed or outcome.details.get("steps_judged", 0) < self.decisive_steps:
             return None
         return outcome

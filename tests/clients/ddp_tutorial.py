@@ -37,6 +37,8 @@ of rank R+1, as a node whose RANK is read from the wrong variable would) and ``s
 ignores ``get_worker_info()``: with ``--workers 2`` each DataLoader worker yields the rank's whole part, torch's
 documented pitfall).
 
+``--dtype bfloat16`` loads and trains the model in bf16, without autocast: the loss is computed on bf16 logits.
+
 ``--loss-chunks K`` computes the loss as torchtune's ``CEWithChunkedOutputLoss`` does, to save memory: the
 cross-entropy of K slices of the sequence, each with ``reduction="sum"``, added and divided by the token count.
 
@@ -215,6 +217,7 @@ def main():
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
     ap.add_argument("--stream", action="store_true", help="an IterableDataset that shards itself by rank")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16: pure bf16 training, no autocast)")
     ap.add_argument("--loss-chunks", type=int, default=1,
                     help="the cross-entropy over this many slices of the sequence, summed (torchtune's chunked loss)")
     ap.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices and AdamW for the rest, as nanochat")
@@ -241,7 +244,7 @@ def main():
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     if faulted("norm-eps-rank"):
         overrides["rms_norm_eps"] = 1e-5
-    model = AutoModelForCausalLM.from_pretrained(args.model, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **overrides)
     model.train()  # from_pretrained returns the model in eval mode
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows, skip=1 if faulted("stale-data-rank") else 0)
     world = int(os.environ["WORLD_SIZE"])

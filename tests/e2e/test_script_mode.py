@@ -300,6 +300,21 @@ def test_a_chunked_cross_entropy_is_measured_as_one_loss(tiny_llama, tmp_path):
         assert rebuilt == pytest.approx(own[step + 1], rel=1e-5), (step, rebuilt, own)
 
 
+def test_a_doubled_loss_is_named_in_a_bf16_model_whose_weights_carry_bf16_rounding(tiny_llama, tmp_path):
+    # A model trained in bf16 computes its loss on bf16 logits: each rank's weight of 1 reads within ±0.4% of it (2⁻⁸),
+    # and the audit took that scatter for weights that follow the data ("not judged"), doubled loss or not.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=5,
+                               extra=("--set", "distributed.nproc=3"),
+                               script_args=("--dtype", "bfloat16", "--bug", "loss-x2-rank=1")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.loss_weight": [1]}, failed_ranks(out)
+    rows = read_rows(out / "steps.jsonl")
+    assert {row["loss_weight_u"] for row in rows} == {2.0**-8}, rows
+    message = json.loads((out / "result.json").read_text())["audits"]["loss_weight"]["message"]
+    assert message.startswith("rank 1's loss enters its backward with 2x the weight of ranks 0, 2's"), message
+
+
 def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(tiny_llama, tmp_path):
     # Rank 1 runs 4 micro-batches per update, the others 2: DDP's all-reduces pair up (one per update), the Trainer
     # divides by a token count over every rank, so the loss weights per token agree, and the shards stay disjoint.

@@ -254,6 +254,7 @@ class ScriptSession:
         extras: dict[str, Optional[float]] = {"compute_ms": (time.perf_counter() - self._last_post) * 1000}
         step_loss = self.capture.take()
         extras["loss_weight"] = step_loss.weight  # the loss's weight in this rank's backward (judge/loss_weight.py)
+        extras["loss_weight_u"] = step_loss.weight_rounding  # and the rounding it was read to
         if step_loss.loss is None and self._loss_problem is None:
             self._loss_problem = f"step {step}: {step_loss.reason}"
         extras.update(step_facts(optimizer, self.model, self.scales))  # lr, grad_scale, comm_hook_exact: every rank's

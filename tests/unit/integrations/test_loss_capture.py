@@ -161,6 +161,18 @@ def test_several_cross_entropies_are_told_apart_by_the_backward(case):
         assert got.weight == pytest.approx(2.0, rel=1e-6), got
 
 
+@pytest.mark.parametrize(("dtype", "unit"), [(torch.float32, 2.0**-24), (torch.bfloat16, 2.0**-8)])
+def test_the_weight_says_the_rounding_it_was_read_to(dtype, unit):
+    model = Tiny().to(dtype)
+    x, labels = batch(10, 1)
+    with LossCapture() as capture:
+        capture.watch(model)
+        out = model(x.to(dtype), labels=labels)
+        F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1)).backward()
+        got = capture.take()
+    assert got.weight_rounding == unit and got.weight == pytest.approx(1.0, abs=4 * unit), got
+
+
 @pytest.mark.parametrize("kind", ["weight", "soft", "none"])
 def test_losses_without_a_per_token_meaning_are_not_measured(kind):
     model = Tiny()
