@@ -78,6 +78,11 @@ class _MicroBatch:
     num_items: Optional[Any] = None
     problem: Optional[str] = None
 
+    def trained(self) -> bool:
+        """Whether the backward reached any loss this micro-batch computed."""
+        probes = [*self.explicit_probes, self.fused_probe, *self.cross_entropy_probes, self.model_probe]
+        return any(probe is not None and probe.grad is not None for probe in probes)
+
 
 class LossCapture:
     """Collects the current step's micro-batch losses on this rank; :meth:`take` closes the step."""
@@ -279,6 +284,10 @@ class LossCapture:
         if explicit:
             probes = outside_probes + [probe for m in micro for probe in m.explicit_probes]
             return _combine(explicit, probes)
+        # A forward whose loss the backward never reached (a validation loss without no_grad, between two updates)
+        # is no micro-batch of this step: its loss was added to the step's, and its unknown weight hid the step's.
+        trained = [m for m in micro if m.trained()]
+        micro = trained or micro
         if not micro:
             return StepLoss(None, None, "no training forward of the model was seen in this step")
         pieces: list[tuple[Any, Any]] = []

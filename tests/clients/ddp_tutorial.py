@@ -37,6 +37,9 @@ of rank R+1, as a node whose RANK is read from the wrong variable would) and ``s
 ignores ``get_worker_info()``: with ``--workers 2`` each DataLoader worker yields the rank's whole part, torch's
 documented pitfall).
 
+``--val-every K`` computes a validation loss on the DDP model in eval mode after every K-th step, forgetting
+``torch.no_grad()`` (no backward follows it).
+
 ``--dtype bfloat16`` loads and trains the model in bf16, without autocast: the loss is computed on bf16 logits.
 
 ``--loss-chunks K`` computes the loss as torchtune's ``CEWithChunkedOutputLoss`` does, to save memory: the
@@ -126,8 +129,8 @@ def make_collate(pad_id, drop_eos=False):
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0,
-                 zero_grad=True, loss_chunks=1):
-        self.loss_chunks = loss_chunks
+                 zero_grad=True, loss_chunks=1, val_every=0):
+        self.loss_chunks, self.val_every = loss_chunks, val_every
         self.rank = int(os.environ["RANK"])
         self.zero_grad = zero_grad
         self.loss_scale = loss_scale
@@ -162,10 +165,21 @@ class Trainer:
             time.sleep(self.pause_s)
         for optimizer in self.optimizers:
             optimizer.step()
+        if self.val_every and (self.step + 1) % self.val_every == 0:
+            self.validate(input_ids, attn, labels)
         # global token-weighted mean for logging
         stats = torch.stack([loss_sum.detach(), ntok.to(loss_sum.dtype)])
         dist.all_reduce(stats)
         return (stats[0] / stats[1]).item()
+
+    def validate(self, input_ids, attn, labels):
+        """A validation loss on the first half of the batch, in eval mode, forgetting ``torch.no_grad()``."""
+        self.model.eval()
+        half = input_ids.size(1) // 2
+        logits = self.model(input_ids=input_ids[:, :half], attention_mask=attn[:, :half]).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:half].reshape(-1), ignore_index=-100)
+        print(f"[GPU{self.rank}] validation loss {loss.item():.4f}", flush=True)
+        self.model.train()
 
     def look_first(self):
         """A sanity loss on one batch before training (the iterator draws a seed from torch's generator), and a
@@ -217,6 +231,7 @@ def main():
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
     ap.add_argument("--stream", action="store_true", help="an IterableDataset that shards itself by rank")
+    ap.add_argument("--val-every", type=int, default=0, help="a validation loss after every K-th step, without no_grad")
     ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16: pure bf16 training, no autocast)")
     ap.add_argument("--loss-chunks", type=int, default=1,
                     help="the cross-entropy over this many slices of the sequence, summed (torchtune's chunked loss)")
@@ -295,7 +310,7 @@ def main():
     pause_s = 0.05 if faulted("slow-rank") else 0.0
     smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
     trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing,
-                      zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks)
+                      zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks, val_every=args.val_every)
     if rank == args.look_first_rank:
         trainer.look_first()
     trainer.train()

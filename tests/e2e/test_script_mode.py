@@ -282,17 +282,19 @@ def test_a_trainer_variant_is_measured_and_its_loss_is_the_trainers(variant, tin
         assert rebuilt == pytest.approx(own[step + 1], rel=1e-4), (step, rebuilt, own)
 
 
-def test_a_chunked_cross_entropy_is_measured_as_one_loss(tiny_llama, tmp_path):
+def test_the_loss_is_what_the_backward_trains_in_chunks_and_beside_a_validation_pass(tiny_llama, tmp_path):
     # torchtune's chunked loss: four cross-entropies of different values in each backward. Before, the capture could not
-    # tell which one trained, and the loss was not measured; the backward weighs each chunk's tokens the same.
-    out, log, steps = tmp_path / "run", tmp_path / "loss.jsonl", 3
+    # tell which one trained, and the loss was not measured; the backward weighs each chunk's tokens the same. And a
+    # validation loss after every step, without no_grad: its forward was taken for a micro-batch of the next step, its
+    # loss added to that step's and its unknown weight left the step's unjudged.
+    out, log, steps = tmp_path / "run", tmp_path / "loss.jsonl", 4
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, log, steps=steps, extra=("--set", "distributed.nproc=2"),
-                               script_args=("--loss-chunks", "4")))
+                               script_args=("--loss-chunks", "4", "--val-every", "1")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["loss_note"] is None, result["loss_note"]
     weight = result["audits"]["loss_weight"]["message"]
-    assert weight.startswith("every rank's loss enters its backward with the same weight (1 in"), weight
+    assert weight.startswith(f"every rank's loss enters its backward with the same weight (1 in each of {steps} steps"), weight
     rows, own = read_rows(out / "steps.jsonl"), {entry["step"]: entry["loss"] for entry in read_rows(log)}
     for step in range(steps - 1):
         ranks = [r for r in rows if r["step"] == step]

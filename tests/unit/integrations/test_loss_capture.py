@@ -161,6 +161,22 @@ def test_several_cross_entropies_are_told_apart_by_the_backward(case):
         assert got.weight == pytest.approx(2.0, rel=1e-6), got
 
 
+def test_a_forward_whose_loss_is_never_backwarded_is_no_micro_batch():
+    # A validation loss computed between two updates without no_grad: left out, once another micro-batch trained.
+    model = Tiny()
+    (x, labels), (vx, vlabels) = batch(11), batch(12)
+    with LossCapture() as capture:
+        capture.watch(model)
+        F.cross_entropy(model(vx, labels=vlabels).reshape(-1, 5), vlabels.reshape(-1))  # validation: no backward
+        F.cross_entropy(model(x, labels=labels).reshape(-1, 5), labels.reshape(-1)).backward()
+        got = capture.take()
+        F.cross_entropy(model(vx, labels=vlabels).reshape(-1, 5), vlabels.reshape(-1))  # no micro-batch trained:
+        unknown = capture.take()  # what was seen is still reported, its weight unknown
+    want, tokens = expected(model, [(x, labels)])
+    assert got.tokens == tokens and got.loss == pytest.approx(want, rel=1e-6) and got.weight == pytest.approx(1.0), got
+    assert unknown.loss is not None and math.isnan(unknown.weight), unknown
+
+
 @pytest.mark.parametrize(("dtype", "unit"), [(torch.float32, 2.0**-24), (torch.bfloat16, 2.0**-8)])
 def test_the_weight_says_the_rounding_it_was_read_to(dtype, unit):
     model = Tiny().to(dtype)
