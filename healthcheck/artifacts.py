@@ -57,7 +57,7 @@ class RankInfo(Record):
     sampler_seed: Optional[int] = Field(None, description="The DistributedSampler's seed (data_seed, or the seed).")
     sampler_rank: Optional[int] = Field(None, description="The shard this rank's sampler reads (0 for every rank when replicated).")
     sampler_replicas: Optional[int] = Field(None, description="Shards the sampler splits the data into.")
-    precision: str = Field(description="fp32 or bf16 autocast (a script: as observed at its first training forward).")
+    precision: str = Field(description="fp32, bf16 autocast (a script: its first training forward's autocast, else its parameters' dtype).")
     gradient_source: Optional[str] = Field(
         None,
         description="Where the monitor read this rank's local gradient: grads (.grad, before DDP's finalize), "

@@ -313,7 +313,9 @@ def test_a_doubled_loss_is_named_in_a_bf16_model_whose_weights_carry_bf16_roundi
     assert failed_ranks(out) == {"audit.loss_weight": [1]}, failed_ranks(out)
     rows = read_rows(out / "steps.jsonl")
     assert {row["loss_weight_u"] for row in rows} == {2.0**-8}, rows
-    message = json.loads((out / "result.json").read_text())["audits"]["loss_weight"]["message"]
+    result = json.loads((out / "result.json").read_text())
+    assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["bfloat16"] * 3  # not "fp32"
+    message = result["audits"]["loss_weight"]["message"]
     assert message.startswith("rank 1's loss enters its backward with 2x the weight of ranks 0, 2's"), message
 
 

@@ -26,7 +26,9 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
     parameter = next(module.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     device_type = device.type
-    precision = "fp32"
+    # Without autocast a model computes in its parameters' dtype (a model loaded in bf16 trains in bf16).
+    dtype = parameter.dtype if parameter is not None else torch.float32
+    precision = "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
     if torch.is_autocast_enabled(device_type):
         precision = f"{str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')} autocast"
     else:
