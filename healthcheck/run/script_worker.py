@@ -236,6 +236,37 @@ def script_target_error(path: Optional[str], module: Optional[str] = None) -> Op
         return f"script.path: {path} is a directory; give the training script's .py file"
     if not os.access(path, os.R_OK):
         return f"script.path: {path}: not readable"
+    return _source_error(path)
+
+
+def _source_error(path: str) -> Optional[str]:
+    """Whether the file is Python this interpreter can run. A team's ``launch.sh`` (``torchrun ... train.py``) was
+    started on every worker and failed there, exit 3 with a SyntaxError; it is bad input, known before any worker.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
+    ...     _ = f.write("#!/bin/bash\\ntorchrun --nproc_per_node 8 train.py --lr 1e-4\\n")
+    >>> print(_source_error(f.name).replace(f.name, "launch.sh"))
+    script.path: launch.sh is a shell script (#!/bin/bash), not Python: give the Python script it launches, its arguments after --
+    """
+    import tokenize
+
+    try:
+        with tokenize.open(path) as file:  # honours the file's encoding declaration, as python does
+            source = file.read()
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        return f"script.path: {path} cannot be read as Python source: {exc}"
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        first = source.splitlines()[0] if source else ""
+        # Only a file that is no Python says which interpreter it is for (uv's "#!/usr/bin/env -S uv run" is Python).
+        if first.startswith("#!") and "python" not in first:
+            return (f"script.path: {path} is a shell script ({first.strip()}), not Python: give the Python script it "
+                    "launches, its arguments after --")
+        return f"script.path: {path} is not Python this interpreter can run: SyntaxError: {exc.msg} (line {exc.lineno})"
+    except ValueError as exc:  # null bytes: a binary file
+        return f"script.path: {path} is not Python source: {exc}"
     return None
 
 

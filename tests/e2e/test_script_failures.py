@@ -193,6 +193,25 @@ def test_bad_script_input_is_exit_2_before_any_worker_starts(tmp_path, args, exp
     assert not (tmp_path / "run" / "steps.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "source", "expected"),
+    [
+        # A team's launch wrapper: it was started on every worker and failed there (exit 3, a SyntaxError).
+        ("launch.sh", "#!/usr/bin/env bash\ntorchrun --nproc_per_node 8 train.py \"$@\"\n",
+         "launch.sh is a shell script (#!/usr/bin/env bash), not Python: give the Python script it launches"),
+        ("train.py", "import torch\ndef main(:\n    pass\n", "train.py is not Python this interpreter can run: SyntaxError"),
+    ],
+)
+def test_a_script_that_is_not_python_is_exit_2_before_any_worker_starts(tmp_path, name, source, expected):
+    script = tmp_path / name
+    script.write_text(source)
+    done = run_cli("probe", "--script", str(script), "--out", str(tmp_path / "run"), "--set", "distributed.nproc=2")
+    assert done.returncode == 2, done.stderr[-1000:]
+    line = error_line(done)
+    assert expected in line and (name == "launch.sh" or line.endswith("(line 2)")), line
+    assert not (tmp_path / "run").exists()
+
+
 def test_script_arguments_go_only_to_commands_that_run_a_script(tmp_path):
     done = run_cli("report", str(tmp_path), "--", "--mode", "ok")
     assert done.returncode == 2 and "arguments after -- are a script's; report takes none" in done.stderr
