@@ -106,6 +106,7 @@ class EarlyStop(Record):
         False, description="The ranks could not train past it (a non-finite update, ranks that shard differently): "
         "--no-fail-fast stops there too."
     )
+    ranks: list[int] = Field(default_factory=list, description="The ranks the decisive failure names.")
 
     def headline(self) -> str:
         """``stopped early at step S: <check>``.

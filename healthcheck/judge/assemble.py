@@ -100,6 +100,11 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     environment = outcomes.get("environment")
     differ = environment.ranks if environment is not None and not environment.passed else ()
     outcomes["replay"] = replay_outcome(config, evidence.replay, differ, hooks_difference(per_rank))
+    stop = report.stopped_early
+    if stop is not None and stop.check in outcomes and outcomes[stop.check].passed:
+        # The failure that stopped the ranks left its audit nothing to read (the updates a GradScaler skipped write no
+        # rows): the report said "nonfinite ok" beside "stopped early at step 2: nonfinite".
+        outcomes[stop.check] = AuditOutcome(False, stop.message, "stopped", tuple(stop.ranks), {"stopped_at_step": stop.step})
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
 
 

@@ -64,21 +64,21 @@ class FailFast:
                 continue
             if self.policy.approved.get(name) == outcome.signature:
                 continue  # a deviation the baseline records on purpose
-            self.stop = EarlyStop(step=step, check=name, message=outcome.message)
+            self.stop = EarlyStop(step=step, check=name, message=outcome.message, ranks=list(outcome.ranks))
             break
         return self.stop is not None
 
     def nonfinite(self, step: int, ranks: Sequence[int]) -> bool:
         """A non-finite loss or gradient at ``step`` on ``ranks`` stops the run, fail fast or not."""
         if ranks:
-            self.cannot_continue(step, "nonfinite", f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}")
+            self.cannot_continue(step, "nonfinite", f"non-finite loss or gradient on {ranks_phrase(ranks)} at step {step}", ranks)
         return self.stop is not None
 
-    def cannot_continue(self, step: int, check: str, message: str) -> None:
+    def cannot_continue(self, step: int, check: str, message: str, ranks: Sequence[int] = ()) -> None:
         """A failure the ranks cannot train past (the update spread it, or their collectives would no longer
         match) stops the run at ``step``, fail fast or not, and whatever the baseline approves."""
         if self.stop is None:
-            self.stop = EarlyStop(step=step, check=check, message=message, unavoidable=True)
+            self.stop = EarlyStop(step=step, check=check, message=message, unavoidable=True, ranks=list(ranks))
 
 
 class StepAudits:

@@ -146,4 +146,7 @@ def test_a_rank_whose_gradients_overflow_at_every_step_is_named(tmp_path):
     stop = result["stopped_early"]
     assert (stop["step"], stop["check"], stop["unavoidable"]) == (2, "nonfinite", True), stop
     assert stop["message"].startswith("rank 1's own gradient was inf or NaN in each of the last 8 updates"), stop
+    # The skipped updates wrote no rows, and the audit itself read "finite" beside the stop: it is the stop's now.
+    nonfinite = result["audits"]["nonfinite"]
+    assert not nonfinite["passed"] and nonfinite["ranks"] == [1] and nonfinite["message"] == stop["message"], nonfinite
     assert "Warning" not in done.stderr, done.stderr[-2000:]  # one step's plots: equal x limits warned on the terminal

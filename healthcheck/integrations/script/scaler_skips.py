@@ -101,17 +101,19 @@ def overflowed_in_part(metrics: Any) -> bool:
     return not metrics.loss_measured or all(math.isfinite(loss) for loss in metrics.per_rank_loss)
 
 
-def persistent_overflow(skips: int, steps_done: int, nonfinite: Optional[bool]) -> Optional[str]:
+def persistent_overflow(skips: int, steps_done: int, nonfinite: Optional[bool]) -> Optional[tuple[str, list[int]]]:
     """Why the probe stops at this whole skip, or None. Collective when ``skips`` (in a row) reaches the limit after
     the first step: every rank skips the same updates (the inf is all-reduced), so every rank gathers here.
     ``nonfinite``: whether this rank's own gradient in the skipped update was (None: not recorded, as with gradients
-    read from ``.grad``)."""
+    read from ``.grad``). Returns the message and the ranks it names."""
     if steps_done == 0 or skips != PERSISTENT_SKIPS:
         return None
     from healthcheck.measure import distributed as hdist
 
     flags = hdist.all_gather_objects(bool(nonfinite))
-    return overflow_message([rank for rank, flag in enumerate(flags) if flag], len(flags), skips)
+    ranks = [rank for rank, flag in enumerate(flags) if flag]
+    message = overflow_message(ranks, len(flags), skips)
+    return None if message is None else (message, ranks)
 
 
 def overflow_message(ranks: list[int], world: int, skips: int) -> Optional[str]:

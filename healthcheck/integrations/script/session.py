@@ -195,7 +195,7 @@ class ScriptSession:
         info, _ = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
         self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
         self._first_step_at, self._train_started = time.time(), time.perf_counter()
-        self.fail_fast.cannot_continue(0, "environment", outcome.message)
+        self.fail_fast.cannot_continue(0, "environment", outcome.message, outcome.ranks)
         self._finish()
         raise ProbeComplete()
 
@@ -295,7 +295,7 @@ class ScriptSession:
             self._keeper.reset()
         self._last_post = skipped_at
         if overflow is not None:  # every later update would be skipped too (:mod:`.scaler_skips`)
-            self.fail_fast.cannot_continue(self.steps_done, "nonfinite", overflow)
+            self.fail_fast.cannot_continue(self.steps_done, "nonfinite", *overflow)
             self._finish()
             raise ProbeComplete()
 

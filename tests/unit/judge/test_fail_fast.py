@@ -20,7 +20,7 @@ def test_the_first_decisive_failure_stops_and_is_kept():
     assert not gate.judge(0, {"seeds": AuditOutcome(True, "shared", "shared")})
     assert gate.judge(3, {"seeds": FAILED_SEEDS})
     assert gate.judge(5, {"param_equality": AuditOutcome(False, "rank 1 differs", "0,2-7|1", (1,))})
-    assert gate.stop == EarlyStop(step=3, check="seeds", message="rank 5 has seed 7")
+    assert gate.stop == EarlyStop(step=3, check="seeds", message="rank 5 has seed 7", ranks=[5])
 
 
 def test_statistical_and_unmeasured_outcomes_never_stop():
