@@ -319,8 +319,13 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     own, script_args = split_script_args(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(own)
+    args, unknown = parser.parse_known_args(own)
     command = tuple(v for v in (args.command, getattr(args, f"{args.command}_command", None)) if v)
+    if unknown:
+        hint = ""
+        if command in SCRIPT_COMMANDS and getattr(args, "script", None):  # the likeliest cause, said where it happens
+            hint = f"; a script's own arguments go after --: healthcheck {' '.join(command)} --script PATH [options] -- {' '.join(unknown)}"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if script_args is not None and command not in SCRIPT_COMMANDS:
         parser.error(f"arguments after -- are a script's; {' '.join(command)} takes none")
     args.script_args = script_args

@@ -184,6 +184,8 @@ def test_a_gradient_source_the_scripts_model_cannot_take_is_exit_2(tmp_path):
         (["--script", str(TINY), "--set", "train.lr=0.1", "--set", "data.max_length=64"],
          "script: data.max_length, train.lr configure the built-in probe"),
         (["--set", "train.steps=3", "--", "--mode", "ok"], "script: give the script's path or its module (script.path or script.module)"),
+        # The script's own arguments without the -- before them: argparse's "unrecognized arguments", and where they go.
+        (["--script", str(TINY), "--mode", "ok"], "unrecognized arguments: --mode ok; a script's own arguments go after --"),
     ],
 )
 def test_bad_script_input_is_exit_2_before_any_worker_starts(tmp_path, args, expected):
