@@ -18,10 +18,13 @@ True
 True
 >>> "single-process" in no_model_message(world_size=1, modules=[])
 True
+>>> print(no_model_message(world_size=1, modules=[], workers=8).split(";")[0])
+the script stepped an optimizer without a process group, as 1 of 8 workers (WORLD_SIZE)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Iterable
 
@@ -46,10 +49,20 @@ DEEPSPEED_REFUSED = (
 DEEPSPEED_ENGINE = "deepspeed.runtime.engine"
 
 
-def no_model_message(world_size: int, modules: Iterable[str]) -> str:
-    """Why a script that stepped an optimizer before training a DDP or FSDP2 model cannot be probed."""
+def no_model_message(world_size: int, modules: Iterable[str], workers: int = 1) -> str:
+    """Why a script that stepped an optimizer before training a DDP or FSDP2 model cannot be probed. ``world_size``:
+    its process group's (1 without one); ``workers``: how many the launcher started (``WORLD_SIZE``)."""
     if DEEPSPEED_ENGINE in set(modules):
         return DEEPSPEED_REFUSED
+    if world_size == 1 and workers > 1:
+        # torch.distributed.launch passed --local_rank; torchrun and healthcheck set LOCAL_RANK, and a script that
+        # goes distributed only when given the argument trains alone on every worker.
+        return (
+            f"the script stepped an optimizer without a process group, as 1 of {workers} workers (WORLD_SIZE); it must call "
+            "torch.distributed.init_process_group and wrap its model in DistributedDataParallel or FSDP2. A script written "
+            "for torch.distributed.launch, which goes distributed only when given --local_rank, reads LOCAL_RANK from the "
+            "environment under torchrun and healthcheck"
+        )
     if world_size > 1:
         return (
             f"the script stepped an optimizer with {world_size} workers but no DistributedDataParallel or FSDP2 "
@@ -68,7 +81,8 @@ def refuse_no_model() -> InvalidInput:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return InvalidInput(no_model_message(world, list(sys.modules)))
+    workers = os.environ.get("WORLD_SIZE", "1")
+    return InvalidInput(no_model_message(world, list(sys.modules), int(workers) if workers.isdigit() else 1))
 
 
 def refuse_deepspeed(patches: Any) -> None:

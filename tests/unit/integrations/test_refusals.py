@@ -56,13 +56,15 @@ def test_without_deepspeed_nothing_is_wrapped(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "modules", "says"),
+    ("world_size", "workers", "modules", "says"),
     [
-        (2, ["torch", refusals.DEEPSPEED_ENGINE], "DeepSpeed's engine"),  # an engine that started its own process group
-        (8, ["torch"], "with 8 workers but no DistributedDataParallel or FSDP2"),
-        (1, ["torch"], "a single-process script has no workers to compare"),
+        (2, 2, ["torch", refusals.DEEPSPEED_ENGINE], "DeepSpeed's engine"),  # an engine that started its own process group
+        (8, 8, ["torch"], "with 8 workers but no DistributedDataParallel or FSDP2"),
+        # A torch.distributed.launch script that goes distributed only when given --local_rank.
+        (1, 8, ["torch"], "without a process group, as 1 of 8 workers (WORLD_SIZE)"),
+        (1, 1, ["torch"], "a single-process script has no workers to compare"),
     ],
 )
-def test_a_step_without_a_measured_model_says_what_the_script_did(world_size, modules, says):
-    message = refusals.no_model_message(world_size, modules)
+def test_a_step_without_a_measured_model_says_what_the_script_did(world_size, workers, modules, says):
+    message = refusals.no_model_message(world_size, modules, workers)
     assert says in message and "\n" not in message
