@@ -10,7 +10,8 @@ FSDP1 and DeepSpeed are refused when their wrapper is built, before it shards or
 (:func:`refuse_deepspeed` wraps DeepSpeed's engine once the script's process group exists: ``deepspeed`` is
 imported by then, by the script or by accelerate, and importing it here would cost every probe seconds). A script
 whose engine starts its own process group, or that averages its gradients itself, is told at its first step
-(:func:`no_model_message`).
+(:func:`no_model_message`); so is one that makes no process group at all though it runs as one of several workers (a
+script written for ``torch.distributed.launch``, which goes distributed only when given ``--local_rank``).
 
 >>> "DeepSpeed" in no_model_message(world_size=2, modules=["deepspeed.runtime.engine"])
 True
