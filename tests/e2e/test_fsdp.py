@@ -165,7 +165,7 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     result = json.loads((out / "result.json").read_text())
     assert result["failure"] is None and result["steps_completed"] == 0
     message = "fsdp.param_dtype differs: ranks 0-1, 3 torch.bfloat16; rank 2 torch.float32"
-    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True}
+    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True, "ranks": [2]}
     assert result["audits"]["environment"]["message"] == message
     verdict = json.loads((out / "verdict.json").read_text())
     assert failed_ranks(out) == {"audit.environment": [2]}
@@ -183,7 +183,7 @@ def test_a_rank_with_its_own_gradient_accumulation_is_named_before_the_ranks_han
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     message = "train.before_first_update differs: ranks 0, 2-3 forward 2 (gradient sync on); rank 1 forward 2 (gradient sync off)"
-    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True}
+    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True, "ranks": [1]}
     assert failed_ranks(out) == {"audit.environment": [1]} and result["audits"]["environment"]["message"] == message
 
 
