@@ -3,10 +3,11 @@ the next row's output the rejected one.
 
 torchrun --nproc_per_node 2 -- trl_dpo.py --model DIR --data JSON --steps 3 --log loss.jsonl
 
-Knows nothing about healthcheck. TRL computes the policy's per-token log-probs with the same fused head as its
-SFTTrainer, sums them per sequence, and trains ``-logsigmoid(beta * (chosen - rejected))`` against a frozen copy of
-the model (the reference, which TRL makes itself). Appends each logged per-step "loss" (logging_steps=1) to --log as
-JSON lines on rank 0, as it is logged.
+Knows nothing about healthcheck, unless ``--record-loss`` (each rank's DPO loss over its pairs, reported with
+``healthcheck.record_loss`` from the trainer's ``compute_loss``). TRL computes the policy's per-token log-probs with
+the same fused head as its SFTTrainer, sums them per sequence, and trains ``-logsigmoid(beta * (chosen - rejected))``
+against a frozen copy of the model (the reference, which TRL makes itself). Appends each logged per-step "loss"
+(logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
 """
 
 import argparse
@@ -19,6 +20,17 @@ from trl import DPOConfig, DPOTrainer
 from trl_sft import LossFile, alpaca_prompt  # the same prompt and loss file as the SFT client (this folder is on sys.path)
 
 
+class RecordedLoss(DPOTrainer):
+    """``--record-loss``: the opt-in for a loss healthcheck cannot see, each rank's DPO loss over its pairs."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        import healthcheck
+
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        healthcheck.record_loss(out[0] if isinstance(out, tuple) else out, inputs["input_ids"].shape[0] // 2)
+        return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -29,6 +41,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--beta", type=float, default=0.1)
+    ap.add_argument("--record-loss", action="store_true", help="report each rank's DPO loss with healthcheck.record_loss")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -53,7 +66,7 @@ def main():
         seed=1234,
         dataloader_num_workers=0,
     )
-    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    trainer = (RecordedLoss if args.record_loss else DPOTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 

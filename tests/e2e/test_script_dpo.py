@@ -24,8 +24,25 @@ def test_a_dpo_trainers_loss_is_not_measured_and_says_why_while_its_gradients_ar
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert "a preference or RL objective, such as DPO's" in result["loss_note"], result["loss_note"]
+    weight = result["audits"]["loss_weight"]["message"]  # for the loss's reason, not the weights'
+    assert weight.startswith("not measured: the loss itself was not measured (step 0: micro-batch 0: the backward"), weight
     rows = read_rows(out / "steps.jsonl")
     assert len(rows) == 6 and all(row["loss"] is None and row["grad_norm"] > 0 for row in rows), rows
     assert result["audits"]["param_equality"]["passed"] and result["audits"]["data_shards"]["passed"]
     # The trainer's own loss, for the record: DPO's starts at log 2, far from any token NLL.
     assert [row["loss"] for row in read_rows(log)][0] == pytest.approx(0.6931, abs=1e-3)
+
+
+def test_a_dpo_loss_reported_with_record_loss_is_the_trainers(tiny_llama, tmp_path):  # noqa: F811
+    # The opt-in the loss note names: each rank's DPO loss over its pairs, from the trainer's compute_loss.
+    out, log = tmp_path / "run", tmp_path / "loss.jsonl"
+    done = run_cli(*probe_args("trl_dpo", out, tiny_llama, log, steps=3, extra=("--set", "distributed.nproc=2"),
+                               script_args=("--record-loss",)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["loss_note"] is None and result["audits"]["loss_weight"]["passed"], result["audits"]["loss_weight"]
+    rows, own = read_rows(out / "steps.jsonl"), {entry["step"]: entry["loss"] for entry in read_rows(log)}
+    for step in range(2):  # the probe ends inside its last step, before the trainer logs it
+        ranks = [r for r in rows if r["step"] == step]
+        rebuilt = sum(r["loss"] * r["tokens"] for r in ranks) / sum(r["tokens"] for r in ranks)
+        assert rebuilt == pytest.approx(own[step + 1], rel=1e-5), (step, rebuilt, own)
