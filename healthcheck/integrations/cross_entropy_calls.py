@@ -62,16 +62,19 @@ def _chunks(entries: Sequence[tuple[Any, Any]], probes: Sequence[WeightProbe], g
     """Several different values: one loss if the backward weighs a unit of each group's token loss the same."""
     counted = [group for group in groups if int(entries[group[0]][1]) > 0]  # a chunk of ignored tokens adds nothing
     picked = [next((i for i in group if probes[i].grad is not None), None) for group in counted]
-    rates = []
-    for index in picked:
-        weight = None if index is None else probes[index].weight(*entries[index])
-        rates.append(math.nan if index is None or weight is None else float(weight) / int(entries[index][1]))
+    rates = [math.nan if i is None else _rate(probes[i], entries[i][0]) for i in picked]
     if not counted or not all(math.isfinite(r) and r > 0 for r in rates) or max(rates) - min(rates) > SAME_RATE * max(rates):
         return None, None, f"{len(groups)} different cross-entropy losses were computed; which one trains is unknown"
     chosen = [i for i in picked if i is not None]
     summed = sum(entries[i][0] for i in chosen)
     tokens = sum(entries[i][1] for i in chosen)
     return (summed, tokens), JointProbe([probes[i] for i in chosen]), None
+
+
+def _rate(probe: WeightProbe, summed: Any) -> float:
+    """ρ = ⟨G, X⟩ / S, the root's derivative per unit of the token loss X carries; NaN where no gradient reached X."""
+    dot = probe.dot()
+    return math.nan if dot is None else float(dot) / float(summed)
 
 
 def _distinct(entries: Sequence[tuple[Any, Any]]) -> list[list[int]]:

@@ -127,10 +127,7 @@ class JointProbe:
         known = [dot for dot in dots if dot is not None]
         if not dots or len(known) < len(dots):
             return None
-        total = known[0]
-        for dot in known[1:]:
-            total = total + dot
-        return _per(total, summed, tokens)
+        return _per(sum(known[1:], known[0]), summed, tokens)
 
     def both_signs(self) -> bool:
         return any(probe.both_signs() for probe in self.probes)

@@ -86,9 +86,9 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
     if config.script is not None:  # script mode's readings: the loss's weight, stale gradients, the learning rate
         read = {key: _by_step(rows, key, world) for key in ("loss_weight", "loss_weight_u", "tokens", "grads_carried", "lr")}
         outcomes["loss_weight"] = loss_weight_audit(read["loss_weight"], read["tokens"], rounding=read["loss_weight_u"])
-        unseen = next((e.loss_problem for e in per_rank if e.loss_problem), None)
+        unseen = first_loss_problem(per_rank)
         if not outcomes["loss_weight"].measured and unseen:  # the reason is the loss's, not the weights'
-            outcomes["loss_weight"] = not_measured(f"the loss itself was not measured ({unseen})")
+            outcomes["loss_weight"] = not_measured(f"the loss itself was not measured ({unseen[1]})")
         outcomes["stale_gradients"] = stale_gradients_audit(read["grads_carried"])
         outcomes["learning_rate"] = learning_rate_audit(read["lr"])
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
@@ -109,6 +109,11 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         # rows): the report said "nonfinite ok" beside "stopped early at step 2: nonfinite".
         outcomes[stop.check] = AuditOutcome(False, stop.message, "stopped", tuple(stop.ranks), {"stopped_at_step": stop.step})
     return {name: outcome.to_entry() for name, outcome in outcomes.items()}
+
+
+def first_loss_problem(per_rank: Sequence[Any]) -> Optional[tuple[int, str]]:
+    """The first rank whose per-rank loss was not measured, and why, in its words (``RankEvidence.loss_problem``)."""
+    return next(((rank, e.loss_problem) for rank, e in enumerate(per_rank) if e.loss_problem), None)
 
 
 def straggler_outcome(rows: Sequence[dict[str, Any]], world: int, factor: float, max_p: float) -> AuditOutcome:

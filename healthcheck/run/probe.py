@@ -29,7 +29,7 @@ from healthcheck.artifacts import (
 from healthcheck.config import ProbeConfig, dump_yaml, resolve_for_rank
 from healthcheck.errors import InvalidInput, ProbeFailed
 from healthcheck.files import write_text_atomic
-from healthcheck.judge.assemble import run_audits
+from healthcheck.judge.assemble import first_loss_problem, run_audits
 from healthcheck.judge.summary import summarize_run
 from healthcheck.measure import distributed as hdist
 from healthcheck.run import launcher
@@ -354,10 +354,8 @@ def _phases(launcher: dict[str, float], worker: dict[str, float]) -> dict[str, f
 
 def _loss_note(report: Optional[WorkerReport]) -> Optional[str]:
     """Why the per-rank loss was not measured: the first rank that could not see it, in its words."""
-    for rank, evidence in enumerate(report.evidence.per_rank if report else ()):
-        if evidence.loss_problem:
-            return f"rank {rank}, {evidence.loss_problem}"
-    return None
+    found = first_loss_problem(report.evidence.per_rank) if report else None
+    return f"rank {found[0]}, {found[1]}" if found else None
 
 
 def _gradient_note(report: Optional[WorkerReport]) -> Optional[str]:

@@ -248,6 +248,7 @@ def _source_error(path: str) -> Optional[str]:
     ...     _ = f.write("#!/bin/bash\\ntorchrun --nproc_per_node 8 train.py --lr 1e-4\\n")
     >>> print(_source_error(f.name).replace(f.name, "launch.sh"))
     script.path: launch.sh is a shell script (#!/bin/bash), not Python: give the Python script it launches, its arguments after --
+    >>> os.remove(f.name)
     """
     import tokenize
 
