@@ -240,13 +240,13 @@ def test_a_trainer_rank_in_bf16_is_named_for_its_precision_not_its_device(tiny_l
     # inside the DDP forward, after healthcheck's pre-hook. That rank read fp32, and the replay, which alone saw it,
     # advised draining a sound node.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2, script_args=("--bf16-rank", "3")))
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2, script_args=("--bf16-rank", "2")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["step"] == 0 and result["stopped_early"]["check"] == "environment", result["stopped_early"]
-    assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["fp32"] * 3 + ["bfloat16 autocast"]
+    assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["fp32", "fp32", "bfloat16 autocast", "fp32"]
     message = result["audits"]["environment"]["message"]
-    assert "precision differs: ranks 0-2 fp32; rank 3 bfloat16 autocast" in message, message
+    assert "precision differs: ranks 0-1, 3 fp32; rank 2 bfloat16 autocast" in message, message
     assert "drain the node" not in result["audits"]["replay"]["message"], result["audits"]["replay"]
 
 
