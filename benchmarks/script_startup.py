@@ -32,7 +32,7 @@ ARMS = ("default", "no-preload", "no-plots")
 #: ``python -m healthcheck`` with the preload turned off: warm_parent_caches calls it through the module's name.
 NO_PRELOAD = (
     "import sys, healthcheck.run.probe as probe; probe.preload_script_imports = lambda path: []; "
-    "from healthcheck.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from healthcheck.cli import run; run(sys.argv[1:])"
 )
 
 

@@ -15,6 +15,13 @@ the parent's copy another module than the one the script would import, so they s
 * a file or folder of the same name beside the script (a project's own ``datasets/``), which the worker, with the
   script's folder first on ``sys.path``, imports instead.
 
+Two more imports every worker would make are made here too. The script session's patches import
+:data:`SESSION_MODULES` in each worker, whatever the script. And a script that builds a transformers model (a name
+such as ``AutoModelForCausalLM``, ``LlamaForCausalLM``, ``Trainer`` or ``get_peft_model`` among what it takes from
+these libraries) imports :data:`MODEL_BASE` lazily, at ``from_pretrained``: ``torch._dynamo``, generation and the
+losses, ~3 s of CPU a rank, more than the libraries' own imports. A 4-rank ``ddp_tutorial.py`` probe on 2 cores
+took 6.1-6.3 s instead of 6.5-6.8 s with both (2026-11-28). A script that takes only a tokenizer pays neither.
+
 It runs only where torch is a CPU-only build and torch_npu is not installed (:func:`fork_safe_build`): a library
 that asked a GPU build whether CUDA is there (``torch.cuda.is_available()`` initializes the driver) would leave
 the forked workers unable to use it, and transformers imports torch_npu, whose import has side effects, where it
@@ -27,12 +34,23 @@ import ast
 import importlib
 import importlib.util
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: Top-level packages the launcher may import on a script's behalf.
 PRELOADABLE = ("transformers", "datasets", "trl", "accelerate", "peft")
+
+#: Imported by the script session's patches in every worker (healthcheck/integrations/script/patches.py).
+SESSION_MODULES = ("torch.distributed.fsdp",)
+
+#: What every transformers model's modeling file imports first; loaded only for a script that builds a model.
+MODEL_BASE = "transformers.modeling_utils"
+
+#: A name taken from these libraries that builds or trains a model: ``AutoModelForCausalLM``, ``GPT2LMHeadModel``,
+#: ``Trainer``, ``SFTTrainer``, ``get_peft_model``, ``pipeline``; not ``AutoTokenizer``, ``AutoConfig``, ``load_dataset``.
+_MODEL_NAME = re.compile(r"model|For[A-Z]|Trainer|^pipeline$", re.IGNORECASE)
 
 #: Words whose presence in a top-level statement means it may write the environment the imports read.
 _ENV_WRITES = ("environ", "putenv", "dotenv")
@@ -71,6 +89,26 @@ def preloadable_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
     return found
 
 
+def builds_a_model(source: str, imports: list[tuple[str, tuple[str, ...]]]) -> bool:
+    """Whether a name the script takes from :data:`PRELOADABLE` builds a model: imported by name, or read off the
+    package (``transformers.AutoModelForCausalLM``).
+
+    >>> builds_a_model("", [("transformers", ("AutoTokenizer", "AutoModelForCausalLM"))])
+    True
+    >>> builds_a_model("tok = transformers.AutoTokenizer.from_pretrained(path)", [("transformers", ())])
+    False
+    >>> builds_a_model("model = transformers.AutoModelForCausalLM.from_pretrained(path)", [("transformers", ())])
+    True
+    >>> builds_a_model("", [("trl", ("SFTTrainer", "SFTConfig")), ("peft", ("LoraConfig",))])
+    True
+    """
+    names = [name for _, taken in imports for name in taken]
+    packages = {module.split(".")[0] for module, taken in imports if not taken}
+    if packages:
+        names += re.findall(rf"\b(?:{'|'.join(sorted(packages))})\.(\w+)", source)
+    return any(_MODEL_NAME.search(name) for name in names)
+
+
 def _preloadable(module: str) -> bool:
     return module.split(".")[0] in PRELOADABLE
 
@@ -83,8 +121,8 @@ def fork_safe_build() -> bool:
 
 
 def preload_script_imports(script: Path) -> list[str]:
-    """Import what :func:`preloadable_imports` finds in ``script`` (the modules imported, in order), on a
-    :func:`fork_safe_build` only.
+    """Import :data:`SESSION_MODULES`, what :func:`preloadable_imports` finds in ``script`` and, for a script that
+    :func:`builds_a_model`, :data:`MODEL_BASE` (the modules imported, in order), on a :func:`fork_safe_build` only.
 
     A failing import is left to the script, whose worker raises it where the user wrote it."""
     if not fork_safe_build():
@@ -94,17 +132,25 @@ def preload_script_imports(script: Path) -> list[str]:
     except (OSError, UnicodeDecodeError):
         return []
     folder = script.resolve().parent
-    loaded = []
-    for module, names in preloadable_imports(source):
+    loaded = [module for module in SESSION_MODULES if _imported(module, ())]
+    found = preloadable_imports(source)
+    for module, names in found:
         top = module.split(".")[0]
         if (folder / top).exists() or (folder / f"{top}.py").exists():
-            break  # the script's own module of that name: its worker imports that one, not ours
-        try:
-            imported = importlib.import_module(module)
-            for name in names:  # transformers' lazy module imports a name's submodule on first access
-                getattr(imported, name, None)
-        except Exception as exc:  # noqa: BLE001  (any import error is the script's to raise, in its worker)
-            log.debug("not preloaded: %s: %s: %s", module, type(exc).__name__, exc)
-            continue
-        loaded.append(module)
+            return loaded  # the script's own module of that name: its worker imports that one, not ours
+        if _imported(module, names):
+            loaded.append(module)
+    if builds_a_model(source, found) and _imported(MODEL_BASE, ()):
+        loaded.append(MODEL_BASE)
     return loaded
+
+
+def _imported(module: str, names: tuple[str, ...]) -> bool:
+    try:
+        imported = importlib.import_module(module)
+        for name in names:  # transformers' lazy module imports a name's submodule on first access
+            getattr(imported, name, None)
+    except Exception as exc:  # noqa: BLE001  (any import error is the script's to raise, in its worker)
+        log.debug("not preloaded: %s: %s: %s", module, type(exc).__name__, exc)
+        return False
+    return True

@@ -55,6 +55,6 @@ if __name__ == "__main__":
     dump_dir = Path(sys.argv[1])
     dump_dir.mkdir(parents=True, exist_ok=True)
     install(dump_dir)
-    from healthcheck.cli import main
+    from healthcheck.cli import run
 
-    sys.exit(main(sys.argv[2:]))
+    run(sys.argv[2:])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from healthcheck.run.script_preload import preload_script_imports, preloadable_imports
+from healthcheck.run.script_preload import MODEL_BASE, SESSION_MODULES, preload_script_imports, preloadable_imports
 
 pytestmark = pytest.mark.unit
 
@@ -40,18 +40,31 @@ def test_a_folder_of_the_same_name_beside_the_script_stops_the_preload(tmp_path)
     script = tmp_path / "train.py"
     script.write_text("import datasets\nimport transformers\n")
     (tmp_path / "datasets").mkdir()
-    assert preload_script_imports(script) == []
+    assert preload_script_imports(script) == [*SESSION_MODULES]
     (tmp_path / "datasets").rmdir()
     (tmp_path / "transformers.py").write_text("")
-    assert preload_script_imports(script) == ["datasets"]
+    assert preload_script_imports(script) == [*SESSION_MODULES, "datasets"]
 
 
 def test_an_import_that_fails_is_left_to_the_script(tmp_path, monkeypatch):
     script = tmp_path / "train.py"
     script.write_text("import peft.no_such_module\nfrom transformers import AutoTokenizer\n")
-    assert preload_script_imports(script) == ["transformers"]
+    assert preload_script_imports(script) == [*SESSION_MODULES, "transformers"]
     assert "peft.no_such_module" not in sys.modules
     assert preload_script_imports(tmp_path / "missing.py") == []
+
+
+@pytest.mark.parametrize(("source", "builds"), [
+    ("from transformers import AutoTokenizer, AutoModelForCausalLM\n", True),
+    ("from trl import SFTTrainer\n", True),
+    ("import transformers\nmodel = transformers.LlamaForCausalLM(config)\n", True),
+    ("from transformers import AutoTokenizer\nclass MyModel: pass\n", False),  # its own model: no transformers one
+    ("import os\nos.environ['HF_HOME'] = '/x'\nfrom transformers import AutoModel\n", False),  # its write comes first
+])
+def test_the_model_base_is_loaded_for_a_script_that_builds_a_transformers_model(tmp_path, source, builds):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert (MODEL_BASE in preload_script_imports(script)) is builds
 
 
 def test_nothing_is_preloaded_on_a_build_that_could_touch_an_accelerator(tmp_path, monkeypatch):
