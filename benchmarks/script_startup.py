@@ -6,7 +6,9 @@ round by round so that the host's drift falls on every arm alike:
 * ``default``: as shipped; the launcher imports the Hugging Face libraries the script imports before it forks
   the workers (``healthcheck/run/script_preload.py``), and the report draws its PNG plots;
 * ``no-preload``: the same, with the preload turned off, so every worker imports those libraries itself;
-* ``no-plots``: the default with ``--no-plots``.
+* ``no-plots``: the default with ``--no-plots``;
+* ``teardown``: the default, leaving through ``sys.exit(main())`` as the console script did before 2026-11-28, so
+  the interpreter frees every module before the process ends (``healthcheck.cli.run`` skips that).
 
 It prints each arm's median seconds and its ratio to ``default``. The client is ``tests/clients/hf_trainer.py``
 (``transformers.Trainer``) unless ``--client`` names another of ``tests/clients``; it trains a tiny Llama that
@@ -28,16 +30,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CLIENTS = REPO / "tests" / "clients"
-ARMS = ("default", "no-preload", "no-plots")
+ARMS = ("default", "no-preload", "no-plots", "teardown")
 #: ``python -m healthcheck`` with the preload turned off: warm_parent_caches calls it through the module's name.
 NO_PRELOAD = (
     "import sys, healthcheck.run.probe as probe; probe.preload_script_imports = lambda path: []; "
     "from healthcheck.cli import run; run(sys.argv[1:])"
 )
+#: ``python -m healthcheck`` leaving with the interpreter's teardown.
+TEARDOWN = "import sys; from healthcheck.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def probe_command(arm: str, client: str, nproc: int, steps: int, model: Path, data: Path, out: Path) -> list[str]:
-    python = [sys.executable, "-c", NO_PRELOAD] if arm == "no-preload" else [sys.executable, "-m", "healthcheck"]
+    python = {"no-preload": [sys.executable, "-c", NO_PRELOAD], "teardown": [sys.executable, "-c", TEARDOWN]}.get(
+        arm, [sys.executable, "-m", "healthcheck"])
     return [
         *python, "probe", "--script", str(CLIENTS / f"{client}.py"), "--out", str(out), "--audits-only",
         *(["--no-plots"] if arm == "no-plots" else []),

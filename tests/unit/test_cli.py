@@ -130,3 +130,29 @@ def test_an_empty_window_is_refused_by_baseline_record():
     code, _, err = run_main(["baseline", "record", "--set", "train.steps=4", "--repeats", "3"])
     assert code == ExitCode.INVALID_INPUT and err.count("\n") == 1
     assert "train.steps 4 ends before metrics.warmup_steps 10" in err and "no envelope can be fitted" in err
+
+
+LEAVE = r"""
+import atexit, sys, threading, time
+from pathlib import Path
+from healthcheck.cli import run
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+late = threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("joined")))  # not a daemon
+late.start()
+sys.stdout.write("x" * 200_000)  # more than a pipe's buffer: the reader gets all of it only if it is flushed
+run(["config", "show", "--set", "train.steps=7"])
+"""
+
+
+def test_the_console_script_skips_the_teardown_but_loses_nothing(tmp_path):
+    # run() leaves with os._exit: the non-daemon threads are still joined, the atexit handlers still run and
+    # everything written to stdout still reaches the reader, and main()'s exit code is the process's.
+    done = subprocess.run([sys.executable, "-c", LEAVE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("x" * 200_000) and "steps: 7" in done.stdout
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
+    bad = subprocess.run([sys.executable, "-c", LEAVE.replace("train.steps=7", "train.steps=many"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == ExitCode.INVALID_INPUT and bad.stderr.startswith("healthcheck: error: "), bad.stderr
