@@ -84,13 +84,14 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
             columns[metric][row["rank"]] = row.get(metric)
     outcomes["zero_gradients"] = zero_gradients_audit({step: columns["grad_norm"] for step, columns in per_step.items()})
     if config.script is not None:  # script mode's readings: the loss's weight, stale gradients, the learning rate
-        read = {key: _by_step(rows, key, world) for key in ("loss_weight", "loss_weight_u", "tokens", "grads_carried", "lr")}
+        keys = ("loss_weight", "loss_weight_u", "tokens", "grads_carried", "lr", "lr_groups")
+        read = {key: _by_step(rows, key, world) for key in keys}
         outcomes["loss_weight"] = loss_weight_audit(read["loss_weight"], read["tokens"], rounding=read["loss_weight_u"])
         unseen = first_loss_problem(per_rank)
         if not outcomes["loss_weight"].measured and unseen:  # the reason is the loss's, not the weights'
             outcomes["loss_weight"] = not_measured(f"the loss itself was not measured ({unseen[1]})")
         outcomes["stale_gradients"] = stale_gradients_audit(read["grads_carried"])
-        outcomes["learning_rate"] = learning_rate_audit(read["lr"])
+        outcomes["learning_rate"] = learning_rate_audit(read["lr"], read["lr_groups"])
     outcomes["rank_outliers"] = rank_outlier_audit(per_step, metrics.rank_outlier_max_p)
     outcomes["spikes"] = spike_audit(per_step, metrics.spike_max_p)
     checked = [r for r in read_jsonl(Path(run_dir) / AGGREGATES_FILE) if "reduction_rel_error" in r]

@@ -94,28 +94,35 @@ class StepAudits:
     (1,)
     >>> audits.add(3, {"lr": [0.5, 0.5]}, None), audits.add(4, {"lr": [0.75, 0.625]}, None)["learning_rate"].passed
     ({}, False)
+    >>> StepAudits().add(0, {"lr": [0.5] * 3, "lr_groups": [7.0, 7.0, 9.0]}, None)["learning_rate"].ranks  # another group
+    (2,)
     """
 
     def __init__(self) -> None:
         self.loss_weights = LossWeightWatch()
         self.readings: dict[int, list[Optional[float]]] = {}
         self.rates: dict[int, list[Optional[float]]] = {}
+        self.group_rates: dict[int, list[Optional[float]]] = {}
 
     def add(
         self, step: int, extras: Mapping[str, Sequence[Optional[float]]], tokens: Optional[Sequence[Optional[float]]]
     ) -> dict[str, AuditOutcome]:
-        """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``, ``lr``): the outcomes that fail, by audit name."""
+        """The step's per-rank ``extras`` (``loss_weight``, ``grads_carried``, ``lr``, ``lr_groups``): the outcomes that
+        fail, by audit name."""
         outcomes = {}
         weights = extras.get("loss_weight")
         rounding = extras.get("loss_weight_u")
         if weights is not None and (weight_outcome := self.loss_weights.add(step, weights, tokens, rounding)) is not None:
             outcomes["loss_weight"] = weight_outcome
         # Exact per-step readings: judged once a step's values, read on every rank, differ.
-        for name, key, store, audit in (("stale_gradients", "grads_carried", self.readings, stale_gradients_audit),
-                                        ("learning_rate", "lr", self.rates, learning_rate_audit)):
+        for name, key, store, audit in (
+            ("stale_gradients", "grads_carried", self.readings, stale_gradients_audit),
+            ("learning_rate", "lr", self.rates, learning_rate_audit),
+            ("learning_rate", "lr_groups", self.group_rates, lambda digests: learning_rate_audit(self.rates, digests)),
+        ):
             values = extras.get(key)
             if values is not None:
                 row = store[step] = [finite_or_none(v) for v in values]  # the gather sends a None as NaN
-                if None not in row and len(set(row)) > 1:
+                if None not in row and len(set(row)) > 1 and name not in outcomes:
                     outcomes[name] = audit(store)
         return outcomes

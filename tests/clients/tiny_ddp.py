@@ -18,7 +18,9 @@ bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers wi
 zero (torch's ZeroRedundancyOptimizer around SGD, as PyTorch's ZeRO tutorial writes it: each rank steps its own
 partition of the parameters and broadcasts it); zero-lr=R (the same, rank R's learning rate 10x: its partition moves
 otherwise, and the broadcast still leaves every replica bit-identical); zero-warmup=R (the same with a linear warmup
-from 0 over 4 steps, over 8 on rank R: a per-node schedule, equal at the first step).
+from 0 over 4 steps, over 8 on rank R: a per-node schedule, equal at the first step); zero-bias-warmup=R (the same
+with the weights and the biases in two parameter groups, nanoGPT's decay/no-decay split, and the warmup on the
+biases' group only: the first group's rate agrees on every rank at every step).
 Knows nothing about healthcheck.
 """
 
@@ -70,13 +72,20 @@ def main():
         OFF = 1.01 if mode == "fp16-hook-off" and rank == int(value) else 1.0
         model.register_comm_hook(None, fp16_compress_hook)
     scheduler = None
-    if mode in ("zero", "zero-lr", "zero-warmup"):
+    if mode in ("zero", "zero-lr", "zero-warmup", "zero-bias-warmup"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         lr = 1.0 if mode == "zero-lr" and rank == int(value) else 0.1
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr)
+        warmup = 8 if mode.endswith("warmup") and rank == int(value) else 4
+        if mode == "zero-bias-warmup":
+            weights = [p for p in model.parameters() if p.dim() > 1]
+            biases = [p for p in model.parameters() if p.dim() <= 1]
+            optimizer = ZeroRedundancyOptimizer(weights, optimizer_class=torch.optim.SGD, lr=lr)
+            optimizer.add_param_group({"params": biases})
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0, lambda s: min(1.0, s / warmup)])
+        else:
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr)
         if mode == "zero-warmup":
-            warmup = 8 if rank == int(value) else 4
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup))
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

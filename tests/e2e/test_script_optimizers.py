@@ -57,8 +57,8 @@ def test_a_rank_whose_second_optimizer_differs_is_named(tiny_llama, tmp_path):  
     assert failed["audit.param_equality"]["ranks"] == [1]
 
 
-def zero_probe(out, mode: str):
-    return run_cli("probe", "--script", str(CLIENTS / "tiny_ddp.py"), "--out", str(out), "--audits-only", "--no-plots", "--set",
+def zero_probe(out, mode: str, *options: str):
+    return run_cli("probe", "--script", str(CLIENTS / "tiny_ddp.py"), "--out", str(out), "--audits-only", "--no-plots", *options, "--set",
                    f"distributed.nproc={RANKS}", "--set", "train.steps=6", "--set", "metrics.warmup_steps=1", "--",
                    "--mode", mode, "--steps", "20")
 
@@ -71,6 +71,24 @@ def test_zero_redundancy_optimizer_steps_are_probe_steps(tmp_path):
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["steps_completed"] == 6 and all(a["passed"] for a in result["audits"].values()), result["audits"]
     assert result["audits"]["learning_rate"]["message"] == "ranks 0-2 stepped with the same learning rate at every one of 6 steps (0.1)"
+
+
+@pytest.mark.parametrize("fail_fast", [True, False])
+def test_a_rank_whose_second_parameter_group_warms_up_otherwise_is_named(tmp_path, fail_fast):
+    # Weights and biases in two groups, the warmup on the biases' only, over 8 steps on rank 1 and over 4 on the
+    # others: the first group's rate agrees everywhere, and ZeroRedundancyOptimizer keeps the replicas identical.
+    # The probe passed while the rates read were the first group's; each step's digest of every group's names it.
+    out = tmp_path / "run"
+    done = zero_probe(out, "zero-bias-warmup=1", *([] if fail_fast else ["--no-fail-fast"]))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    audit = result["audits"]["learning_rate"]
+    assert {k for k, a in result["audits"].items() if not a["passed"]} == {"learning_rate"}, result["audits"]
+    assert audit["ranks"] == [1] and audit["message"].startswith(
+        "rank 1 stepped with another learning rate in a later parameter group from step 1"), audit
+    assert (result["stopped_early"] or {}).get("step") == (1 if fail_fast else None), result["stopped_early"]
+    rows = read_rows(out / "steps.jsonl")
+    assert {row["lr"] for row in rows} == {0.1} and len({row["lr_groups"] for row in rows if row["step"] == 1}) == 2
 
 
 def test_a_rank_with_its_own_warmup_under_zero_is_named_at_the_first_step_it_differs(tmp_path):

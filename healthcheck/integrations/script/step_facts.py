@@ -1,6 +1,9 @@
 """What a rank reports with each optimizer step besides the monitor's numbers (gathered as per-rank extras).
 
 * ``lr``: the learning rate of the optimizer's first parameter group as the rank stepped.
+* ``lr_groups``: a digest of every parameter group's learning rate (:func:`rates_digest`), so that a rank whose other
+  group steps with another rate is seen too (a schedule for the no-decay group alone). A number, to travel in the
+  gathered vector; equal on two ranks exactly when their rates are, barring a CRC-32 collision (one in 2**32).
 * ``grad_scale``: the scale of the ``torch.amp.GradScaler`` that stepped this optimizer in this step (fp16 mixed
   precision: PyTorch's AMP recipe, accelerate's and the Trainer's ``fp16``). The monitor measures the gradients DDP
   reduces, and the scaler multiplied those by its scale (2**16 to start): the step's norms are divided by it where
@@ -16,6 +19,8 @@ Every key is present on every rank, None where it does not apply: the gathered v
 
 from __future__ import annotations
 
+import struct
+import zlib
 from typing import Any, Optional
 
 
@@ -75,17 +80,35 @@ class ScaleRecorder:
 
 
 def step_facts(optimizer: Any, model: Any, scales: ScaleRecorder) -> dict[str, Optional[float]]:
-    """``lr``, ``grad_scale`` and ``comm_hook_exact`` for this rank's step (see the module docstring)."""
+    """``lr``, ``lr_groups``, ``grad_scale`` and ``comm_hook_exact`` for this rank's step (see the module docstring)."""
     from healthcheck.measure import script_hook
 
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     scale, skips = scales.take(optimizer)
     return {
         "lr": float(lr) if isinstance(lr, (int, float)) else None,
+        "lr_groups": rates_digest(optimizer.param_groups),
         "grad_scale": scale,
         "scaler_skips": None if skips is None else float(skips),
         "comm_hook_exact": script_hook.step_extras(model).get("comm_hook_exact"),
     }
+
+
+def rates_digest(groups: Any) -> Optional[float]:
+    """The CRC-32 of every group's learning rate as float64 bytes, as a float (exact: under 2**32); None where a
+    group's rate is not a plain number (a tensor ``lr``) or there are no groups.
+
+    >>> rates_digest([{"lr": 1e-3}, {"lr": 1e-3}]) == rates_digest([{"lr": 1e-3}, {"lr": 1e-3}])
+    True
+    >>> rates_digest([{"lr": 1e-3}, {"lr": 1e-3}]) == rates_digest([{"lr": 1e-3}, {"lr": 1e-2}])
+    False
+    >>> rates_digest([{"lr": 1e-3}, {"lr": None}]), rates_digest([])
+    (None, None)
+    """
+    rates = [group.get("lr") for group in groups]
+    if not rates or not all(isinstance(rate, (int, float)) for rate in rates):
+        return None
+    return float(zlib.crc32(struct.pack(f"<{len(rates)}d", *rates)))
 
 
 def patch(patches: Any, observe: Any, stepped: Any) -> None:
