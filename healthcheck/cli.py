@@ -365,8 +365,9 @@ def run(argv: list[str] | None = None) -> NoReturn:
     """The ``healthcheck`` console script and ``python -m healthcheck``: :func:`main`, then out of the process
     without the interpreter's teardown.
 
-    Python frees every module one by one as it exits: with torch and transformers loaded that took 0.4-1.1 s on
-    the 2-core host, after the last artifact was written, on every probe a CI job runs. Nothing is lost by
+    Python frees every module one by one as it exits: with torch and transformers loaded that took 1.2-1.3 s of a
+    4-rank script probe on the 2-core host (``benchmarks/script_startup.py --arms default teardown``), after the last
+    artifact was written, on every probe a CI job runs. Nothing is lost by
     skipping it: the non-daemon threads are joined and the ``atexit`` handlers run (logging's flush, temporary
     folders), as at a normal exit, and every file healthcheck writes is closed or flushed per row before
     :func:`main` returns. An exception out of :func:`main` still takes the normal path, traceback and all.

@@ -43,15 +43,15 @@ def learning_rate_audit(
     details = {"steps_judged": len(judged), "steps_differing": differ}
     world = len(rates[judged[0]])
     if not differ and digests and (split := first_split(digests)) is not None:
-        step, ranks, _ = split
+        step, parts, _ = split
         both = [s for s in judged if s in digests and None not in digests[s]]
         other = [s for s in both if len(set(digests[s])) > 1]
-        odd = odd_ones_out(ranks)
+        odd = odd_ones_out(parts)
         return AuditOutcome(
             False,
             f"{ranks_phrase(odd)} stepped with another learning rate in a later parameter group from step "
             f"{step} (in {len(other)} of {len(both)} steps; the first group's agreed)",
-            partition_signature(ranks),
+            partition_signature(parts),
             tuple(odd),
             {**details, "steps_differing": other, "groups_differ": True},
         )

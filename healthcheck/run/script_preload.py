@@ -20,7 +20,7 @@ Two more imports every worker would make are made here too. The script session's
 such as ``AutoModelForCausalLM``, ``LlamaForCausalLM``, ``Trainer`` or ``get_peft_model`` among what it takes from
 these libraries) imports :data:`MODEL_BASE` lazily, at ``from_pretrained``: ``torch._dynamo``, generation and the
 losses, ~3 s of CPU a rank, more than the libraries' own imports. A 4-rank ``ddp_tutorial.py`` probe on 2 cores
-took 6.1-6.3 s instead of 6.5-6.8 s with both (2026-11-28). A script that takes only a tokenizer pays neither.
+took 6.1-6.3 s instead of 6.5-6.8 s with both (hand-timed, three runs each, 2026-11-28). A script that takes only a tokenizer pays neither.
 
 It runs only where torch is a CPU-only build and torch_npu is not installed (:func:`fork_safe_build`): a library
 that asked a GPU build whether CUDA is there (``torch.cuda.is_available()`` initializes the driver) would leave
