@@ -11,7 +11,8 @@ ranks) ``--repeats`` times and prints the median seconds of every phase:
 * ``rendezvous``, ``build`` (data loader, model, DDP, monitor), ``start_checks`` (fail fast), ``train`` (the
   optimizer steps), ``finish`` (the audits' gather): rank 0's clock (``result.json`` ``timing.phases``);
 * ``report``: what the command took besides rank 0's clock and ``interpreter+cli``: judging against the
-  baseline, writing the terminal, Markdown, JUnit, HTML and plots, and the interpreter's exit.
+  baseline, writing the terminal, Markdown, JUnit, HTML and plots, and leaving the process (without the
+  interpreter's teardown since 2026-11-28: ``healthcheck.cli.run``).
 
 ``--set key=value`` is passed through, e.g. ``--set data.sharding=replicated`` times a probe that fails fast.
 
