@@ -34,10 +34,10 @@ def rank_rows(step: int, data: dict[str, Any]) -> list[dict[str, Any]]:
     # runq_ms: the run-queue wait busy_ms left out (a CPU host); None where the rank shares cores with other
     # ranks and no clock was read, so busy_ms still holds it (measure/runqueue.py). loss_weight (script mode):
     # the weight of the rank's loss in its own backward (integrations/loss_weight.py), loss_weight_u the unit roundoff
-    # of the dtype it was read in; lr (script mode): the learning
-    # rate of the optimizer's first parameter group as the rank stepped, lr_groups a digest of every group's (a number
-    # equal on two ranks exactly when their rates are: integrations/script/step_facts.py); grads_carried (script mode): 1 when the step's
-    # first backward found the last step's gradients still in place (integrations/script/grad_start.py), 0 when cleared.
+    # of the dtype it was read in; lr (script mode): the learning rate of the optimizer's first parameter group as the
+    # rank stepped, lr_groups a digest of every group's (a number equal on two ranks exactly when their rates are:
+    # integrations/script/step_facts.py); grads_carried (script mode): 1 when the step's first backward found the last
+    # step's gradients still in place (integrations/script/grad_start.py), 0 when cleared.
     # grad_scale (script mode): the GradScaler's scale the step's gradients carried (the norms are divided by it where
     # every rank's is the same: measure/loss_scale.py), scaler_skips the steps it skipped just before (an inf or NaN
     # gradient: no optimizer step). Each absent where not read.

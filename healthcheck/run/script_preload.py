@@ -20,7 +20,8 @@ Two more imports every worker would make are made here too. The script session's
 such as ``AutoModelForCausalLM``, ``LlamaForCausalLM``, ``Trainer`` or ``get_peft_model`` among what it takes from
 these libraries) imports :data:`MODEL_BASE` lazily, at ``from_pretrained``: ``torch._dynamo``, generation and the
 losses, ~3 s of CPU a rank, more than the libraries' own imports. A 4-rank ``ddp_tutorial.py`` probe on 2 cores
-took 6.1-6.3 s instead of 6.5-6.8 s with both (hand-timed, three runs each, 2026-11-28). A script that takes only a tokenizer pays neither.
+took 6.1-6.3 s instead of 6.5-6.8 s with both (hand-timed, three runs each, 2026-11-28). A script that takes only a
+tokenizer pays neither.
 
 It runs only where torch is a CPU-only build and torch_npu is not installed (:func:`fork_safe_build`): a library
 that asked a GPU build whether CUDA is there (``torch.cuda.is_available()`` initializes the driver) would leave
@@ -50,7 +51,8 @@ MODEL_BASE = "transformers.modeling_utils"
 
 #: A name taken from these libraries that builds or trains a model: ``AutoModelForCausalLM``, ``GPT2LMHeadModel``,
 #: ``Trainer``, ``SFTTrainer``, ``get_peft_model``, ``pipeline``; not ``AutoTokenizer``, ``AutoConfig``, ``load_dataset``.
-_MODEL_NAME = re.compile(r"model|For[A-Z]|Trainer|^pipeline$", re.IGNORECASE)
+#: Only "model" is matched in either case (``get_peft_model``): "for" in any case would take ``format`` and ``transform``.
+_MODEL_NAME = re.compile(r"(?i:model)|For[A-Z]|Trainer|^pipeline$")
 
 #: Words whose presence in a top-level statement means it may write the environment the imports read.
 _ENV_WRITES = ("environ", "putenv", "dotenv")
@@ -101,6 +103,8 @@ def builds_a_model(source: str, imports: list[tuple[str, tuple[str, ...]]]) -> b
     True
     >>> builds_a_model("", [("trl", ("SFTTrainer", "SFTConfig")), ("peft", ("LoraConfig",))])
     True
+    >>> builds_a_model("", [("transformers", ("AutoTokenizer", "DataCollatorWithPadding", "set_seed"))])
+    False
     """
     names = [name for _, taken in imports for name in taken]
     packages = {module.split(".")[0] for module, taken in imports if not taken}

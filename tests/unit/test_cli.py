@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -138,7 +139,7 @@ from pathlib import Path
 from healthcheck.cli import run
 
 out = Path(sys.argv[1])
-atexit.register(lambda: (out / "atexit").write_text("ran"))
+atexit.register(lambda: ((out / "atexit").write_text("ran"), sys.stdout.write("bye")))  # no flush: run() must
 late = threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("joined")))  # not a daemon
 late.start()
 sys.stdout.write("x" * 200_000)  # more than a pipe's buffer: the reader gets all of it only if it is flushed
@@ -149,9 +150,10 @@ run(["config", "show", "--set", "train.steps=7"])
 def test_the_console_script_skips_the_teardown_but_loses_nothing(tmp_path):
     # run() leaves with os._exit: the non-daemon threads are still joined, the atexit handlers still run and
     # everything written to stdout still reaches the reader, and main()'s exit code is the process's.
-    done = subprocess.run([sys.executable, "-c", LEAVE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a CI shell runs it: block-buffered
+    done = subprocess.run([sys.executable, "-c", LEAVE, str(tmp_path)], capture_output=True, text=True, timeout=120, env=buffered)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("x" * 200_000) and "steps: 7" in done.stdout
+    assert done.stdout.startswith("x" * 200_000) and "steps: 7" in done.stdout and done.stdout.endswith("bye")
     assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
     bad = subprocess.run([sys.executable, "-c", LEAVE.replace("train.steps=7", "train.steps=many"), str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
