@@ -124,7 +124,7 @@ class HealthcheckCallback(TrainerCallback):
             log.warning("HealthcheckCallback: a single process has no workers to compare; the callback does nothing")
             return
         self.monitor = WorkerConsistencyMonitor(wrapped, **self.monitor_options)
-        self._capture = LossCapture().__enter__()
+        self._capture = LossCapture(read_settings=False).__enter__()
         self._capture.watch(wrapped.module)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

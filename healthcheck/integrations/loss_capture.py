@@ -38,6 +38,7 @@ from typing import Any, Iterator, Optional
 
 from healthcheck.integrations.cross_entropy_calls import resolve_calls
 from healthcheck.integrations.eager import eager
+from healthcheck.integrations.loss_graph import LossGraph
 from healthcheck.integrations.loss_hooks import (
     ACTIVE,
     IGNORE_INDEX,
@@ -48,6 +49,7 @@ from healthcheck.integrations.loss_hooks import (
     unpatch,
 )
 from healthcheck.integrations.loss_weight import WeightProbe, step_weight
+from healthcheck.integrations.target_shift import TargetShifts, token_ids
 
 
 @dataclasses.dataclass
@@ -76,6 +78,7 @@ class _MicroBatch:
     model_probe: Optional[WeightProbe] = None
     labels: Optional[Any] = None
     num_items: Optional[Any] = None
+    inputs: Optional[Any] = None  #: the forward's input ids, at the first step (:mod:`.target_shift`)
     problem: Optional[str] = None
 
     def trained(self) -> bool:
@@ -87,7 +90,9 @@ class _MicroBatch:
 class LossCapture:
     """Collects the current step's micro-batch losses on this rank; :meth:`take` closes the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_settings: bool = True) -> None:
+        """``read_settings``: record the first step's loss settings for :meth:`loss_settings` (a probe of a script);
+        without it (the Trainer callback, which never reads them) no step pays for them."""
         self._micro: list[_MicroBatch] = []
         self._outside: list[tuple[Any, Any]] = []  # record_loss calls before any training forward
         self._outside_probes: list[WeightProbe] = []
@@ -97,6 +102,10 @@ class LossCapture:
         # How the cross-entropies that the backward went through were called, until :meth:`loss_settings` reads
         # it (the first step).
         self._settings: Optional[set[tuple[str, ...]]] = set()
+        self._shifts = TargetShifts()  # which shift of the inputs the trained losses' targets are, at the first step
+        self._graph = LossGraph()  # what the first step's backwards compute above the model's outputs
+        if not read_settings:
+            self.loss_settings()  # read now: nothing more is recorded
 
     # ------------------------------------------------------------------ wiring
 
@@ -114,6 +123,8 @@ class LossCapture:
     def __enter__(self) -> LossCapture:
         ACTIVE.append(self)
         patch_cross_entropy()
+        if self._settings is not None:
+            self._graph.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -123,6 +134,7 @@ class LossCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._graph.close()
         if self in ACTIVE:
             ACTIVE.remove(self)
         if not ACTIVE:
@@ -150,8 +162,10 @@ class LossCapture:
         if self._paused or not torch.is_grad_enabled():
             return
         labels = kwargs.get("labels")
+        inputs = token_ids(args, kwargs) if self._settings is not None else None
         self._micro.append(
-            _MicroBatch(labels=labels if isinstance(labels, torch.Tensor) else None, num_items=kwargs.get("num_items_in_batch"))
+            _MicroBatch(labels=labels if isinstance(labels, torch.Tensor) else None, num_items=kwargs.get("num_items_in_batch"),
+                        inputs=inputs)
         )
 
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -160,6 +174,7 @@ class LossCapture:
         if self._paused or not torch.is_grad_enabled() or not self._micro:
             return
         micro = self._micro[-1]
+        self._graph.forward_output(output)
         log_probs, label_mask, loss = (_field(output, name) for name in ("log_probs", "label_mask", "loss"))
         if isinstance(log_probs, torch.Tensor) and isinstance(label_mask, torch.Tensor):
             # TRL zeroes ignored positions already; masking again costs nothing and does not rely on it.
@@ -181,9 +196,10 @@ class LossCapture:
             return
         if not torch.is_grad_enabled() or not self._micro:
             return
+        micro = self._micro[-1]
         if self._settings is not None:  # the first step only
             self._note_settings(result, cross_entropy_settings(kwargs, target, result))
-        micro = self._micro[-1]
+            self._shifts.observe(micro.inputs, target, kwargs.get("ignore_index", IGNORE_INDEX), result)
         if kwargs.get("weight") is not None:
             micro.problem = "the cross-entropy has class weights, so its mean is not a per-token loss"
             return
@@ -222,6 +238,7 @@ class LossCapture:
             epsilon = f"{float(getattr(smoother, 'epsilon', 0.0)):g}"
             dtype = str(result.dtype).removeprefix("torch.")
             self._note_settings(result, ("LabelSmoother", str(ignore_index), epsilon, "none", "class indices", dtype))
+            self._shifts.observe(self._micro[-1].inputs, targets, ignore_index, result)
 
     def _note_settings(self, result: Any, settings: tuple[str, ...]) -> None:
         """Record ``settings`` once the backward runs through ``result``: a loss computed only to be logged (rank 0's
@@ -264,12 +281,13 @@ class LossCapture:
         >>> import torch
         >>> capture = LossCapture()
         >>> capture.loss_settings()
-        {'loss.cross_entropy': 'none in the backward'}
+        {'loss.cross_entropy': 'none in the backward', 'loss.target_shift': 'not measured', 'loss.graph': 'not measured'}
         """
         seen, self._settings = self._settings or set(), None
+        facts = {"loss.cross_entropy": "in the backward" if seen else "none in the backward", **self._shifts.facts(),
+                 **self._graph.facts()}
         if not seen:
-            return {"loss.cross_entropy": "none in the backward"}
-        facts = {"loss.cross_entropy": "in the backward"}
+            return facts
         for position, name in enumerate(SETTING_NAMES):
             facts[f"loss.{name}"] = " | ".join(sorted({call[position] for call in seen}))
         return facts

@@ -205,6 +205,9 @@ def _steps_text(steps: Sequence[int]) -> str:
 #: Variables that differ between ranks by design (one device per rank), so they are not compared.
 PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
 UNSET = "<unset>"
+#: A rank's value that could not be read (too little evidence on that rank): left out of the comparison, so the
+#: ranks that read it are compared among themselves.
+NOT_MEASURED = "not measured"
 
 
 def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
@@ -241,15 +244,17 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
 
 def differing_fields(table: Sequence[Mapping[str, str]]) -> list[tuple[str, list[list[int]], list[str]]]:
     """The fields, in name order, on which the ranks' rows disagree: (field, ranks grouped by value, each rank's
-    value); a field a row lacks reads ``<unset>``.
+    value); a field a row lacks reads ``<unset>``, and a rank whose value is :data:`NOT_MEASURED` is left out.
 
     >>> differing_fields([{"a": "1", "b": "x"}, {"a": "1", "b": "y"}, {"a": "1"}])
     [('b', [[0], [1], [2]], ['x', 'y', '<unset>'])]
+    >>> differing_fields([{"a": "1"}, {"a": "not measured"}, {"a": "1"}])
+    []
     """
     out = []
     for key in sorted({k for row in table for k in row}):
         values = [row.get(key, UNSET) for row in table]
-        groups = group_ranks(values)
+        groups = [group for group in group_ranks(values) if values[group[0]] != NOT_MEASURED]
         if len(groups) > 1:
             out.append((key, groups, values))
     return out

@@ -20,8 +20,14 @@ never takes would; DDP still gives every rank the same update, so the parameters
 ``nodecay-lr-rank=R`` (every rank splits AdamW into a decay and a no-decay group, as nanoGPT and the Trainer do, and
 rank R's no-decay group has 10x the learning rate), ``matmul-medium-rank=R`` (rank R calls
 ``torch.set_float32_matmul_precision("medium")``, a speed-up some nodes' launch config adds: bf16 matmuls in oneDNN,
-TF32 in cuBLAS) and ``slow-rank=R``
-(rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does).
+TF32 in cuBLAS), ``slow-rank=R``
+(rank R spends 50 ms between its backward and the optimizer step, as a rank that saves or logs synchronously does),
+and three bugs of the loop between the loader and the loss, as a node running another revision of the training
+code would have them: ``loop-shift-rank=R`` (rank R's loss pairs each position with the label two tokens on, an
+off-by-one in its shift), ``input-noise-rank=R`` (rank R replaces 15% of its input tokens with padding before the
+forward, a token-masking augmentation left on: its labels keep the original tokens), ``no-mask-rank=R`` (rank R
+calls the model without its ``attention_mask``) and ``z-loss-rank=R`` (rank R adds PaLM's z-loss, 1e-2 times the mean
+square of its logits' log-partition, a term a per-node config switches on).
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
@@ -129,8 +135,9 @@ def make_collate(pad_id, drop_eos=False):
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, max_steps, log_path, loss_scale=1.0, pause_s=0.0, smoothing=0.0,
-                 zero_grad=True, loss_chunks=1, val_every=0):
-        self.loss_chunks, self.val_every = loss_chunks, val_every
+                 zero_grad=True, loss_chunks=1, val_every=0, loop_bugs=()):
+        self.loss_chunks, self.val_every, self.loop_bugs = loss_chunks, val_every, set(loop_bugs)
+        self.noise = torch.Generator().manual_seed(0)  # its own generator: the others' draws stay as they were
         self.rank = int(os.environ["RANK"])
         self.zero_grad = zero_grad
         self.loss_scale = loss_scale
@@ -147,19 +154,28 @@ class Trainer:
         if self.zero_grad:
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
-        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
-        shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
-        shift_labels = labels[:, 1:].reshape(-1)
+        if "input-noise" in self.loop_bugs:
+            masked = (torch.rand(input_ids.shape, generator=self.noise) < 0.15) & (attn == 1)
+            input_ids = input_ids.masked_fill(masked, 0)
+        if "no-mask" in self.loop_bugs:
+            logits = self.model(input_ids=input_ids).logits
+        else:
+            logits = self.model(input_ids=input_ids, attention_mask=attn).logits
+        shift = 2 if "loop-shift" in self.loop_bugs else 1
+        shift_logits = logits[:, :-shift].reshape(-1, logits.size(-1))
+        shift_labels = labels[:, shift:].reshape(-1)
         if self.loss_chunks > 1:  # torchtune's CEWithChunkedOutputLoss: the sequence in slices, each one summed
             loss_sum = sum(F.cross_entropy(part.reshape(-1, part.size(-1)), target.reshape(-1), ignore_index=-100,
                                            reduction="sum", label_smoothing=self.smoothing)
-                           for part, target in zip(logits[:, :-1].chunk(self.loss_chunks, dim=1),
-                                                   labels[:, 1:].chunk(self.loss_chunks, dim=1), strict=True))
+                           for part, target in zip(logits[:, :-shift].chunk(self.loss_chunks, dim=1),
+                                                   labels[:, shift:].chunk(self.loss_chunks, dim=1), strict=True))
         else:
             loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum",
                                        label_smoothing=self.smoothing)
         ntok = (shift_labels != -100).sum()
         loss = self.loss_scale * loss_sum / ntok.clamp(min=1)  # local token mean; DDP averages gradients over ranks
+        if "z-loss" in self.loop_bugs:
+            loss = loss + 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
         loss.backward()
         if self.pause_s:
             time.sleep(self.pause_s)
@@ -226,7 +242,8 @@ def main():
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
                          "no-zero-grad-rank=R, stream-unsharded, stream-shard-rank=R, stream-no-worker-split, "
-                         "matmul-medium-rank=R or slow-rank=R; several separated by commas")
+                         "matmul-medium-rank=R, slow-rank=R, loop-shift-rank=R, input-noise-rank=R, no-mask-rank=R or z-loss-rank=R; "
+                         "several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
@@ -310,7 +327,8 @@ def main():
     pause_s = 0.05 if faulted("slow-rank") else 0.0
     smoothing = 0.1 if faulted("label-smoothing-rank") else 0.0
     trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing,
-                      zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks, val_every=args.val_every)
+                      zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks, val_every=args.val_every,
+                      loop_bugs=[bug for bug in ("loop-shift", "input-noise", "no-mask", "z-loss") if faulted(f"{bug}-rank")])
     if rank == args.look_first_rank:
         trainer.look_first()
     trainer.train()

@@ -12,8 +12,8 @@ half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming 
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
-accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); zero-loss=R (rank R's loss times 0, as a
-per-node loss weight of 0 would: its gradient is zero, its loss is not);
+accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); zero-loss=R (every rank's loss times
+its weight, 0 on rank R, as a per-node loss weight of 0 would: its gradient is zero, its loss is not);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn);
 zero (torch's ZeroRedundancyOptimizer around SGD, as PyTorch's ZeRO tutorial writes it: each rank steps its own
 partition of the parameters and broadcasts it); zero-lr=R (the same, rank R's learning rate 10x: its partition moves
@@ -108,8 +108,8 @@ def main():
         loss = torch.nn.functional.mse_loss(forward(x), y)
         if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
             loss = loss * float(value)
-        if mode == "zero-loss" and rank == int(value):
-            loss = loss * 0.0
+        if mode == "zero-loss":  # every rank weighs its loss by its configured weight: 0 on rank R
+            loss = loss * (0.0 if rank == int(value) else 1.0)
         loss.backward()
         if mode == "no-ddp":  # the tutorial's average_gradients
             for param in model.parameters():

@@ -158,8 +158,13 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # Rank 0 never clears its gradients: DDP still hands every rank the same update (judge/stale_gradients.py).
         ("loss-x2-rank=3,slow-rank=2,no-eos-rank=1,no-zero-grad-rank=0", 30,
          {"audit.loss_weight": {3}, "audit.stragglers": {2}, "audit.data_shards": {1}, "audit.stale_gradients": {0}}),
+        # The loop between the loader and the loss, as another revision of the training code on one node has it: one
+        # more shift of the labels, inputs masked after the labels were made, a forward without the attention mask, a
+        # z-loss added to the loss (no cross-entropy call). The batches, settings and replays agree, and on this freshly
+        # initialised model no statistic moved: all four passed before (target_shift.py, forwards.py, loss_graph.py).
+        ("loop-shift-rank=1,input-noise-rank=3,no-mask-rank=2,z-loss-rank=0", STEPS, {"audit.environment": {0, 1, 2, 3}}),
     ],
-    ids=["seeds-environment-data", "sampler-eval-smoothing", "loss-x2-slow"],
+    ids=["seeds-environment-data", "sampler-eval-smoothing", "loss-x2-slow", "loop-shift-noise-mask"],
 )
 def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expected, tiny_llama, tmp_path):
     if "audit.stragglers" in expected and runqueue.read() is None and runqueue.cores_shared(4):
@@ -186,15 +191,37 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
     if "audit.environment" in expected:  # the settings that differ, and nothing else
         settings = {"eval-pass-rank": ["model.eval_modules"],
                     "dropout-rank": ["model.config.attention_dropout", "model.dropout"],
-                    "label-smoothing-rank": ["loss.label_smoothing"],
+                    # Smoothing adds its own term to the loss: the mean of -log p over the vocabulary.
+                    "label-smoothing-rank": ["loss.label_smoothing", "loss.graph"],
                     "norm-eps-rank": ["model.config.rms_norm_eps", "model.modules.LlamaRMSNorm"],
                     "batch-size-rank": ["data.batch_size"],
                     "nodecay-lr-rank": ["optimizer[1].lr"],
+                    "loop-shift-rank": ["loss.target_shift"], "input-noise-rank": ["loss.target_shift"],
+                    "no-mask-rank": ["train.forward_args"], "z-loss-rank": ["loss.graph"],
                     # "medium" lowers every backend's fp32 matmul that has no precision of its own: cuBLAS and oneDNN
                     "matmul-medium-rank": ["fp32_precision.cuda.matmul", "fp32_precision.mkldnn.matmul"]}
-        named = [s for bug in bugs.split(",") for s in settings.get(bug.partition("=")[0], [])]
+        named = {s for bug in bugs.split(",") for s in settings.get(bug.partition("=")[0], [])}
         message = result["audits"]["environment"]["message"]
         assert all(f"{setting} differs" in message for setting in named) and message.count("differs") == len(named), message
+        if "loop-shift-rank=1" in bugs:
+            assert ("loss.target_shift differs: ranks 0, 2 the inputs shifted by 1; rank 1 the inputs shifted by 2; "
+                    "rank 3 not the inputs") in message, message
+            assert "rank 2 input_ids int64 2-d" in message, message
+            assert "loss.graph differs: ranks 1-3 " in message and "; rank 0 " in message and "Logsumexp" in message, message
+
+
+def test_labels_shifted_before_a_model_that_shifts_them_are_named(tiny_llama, tmp_path):
+    # A plain loop that hands its labels to the model (transformers' loss pads and shifts them), rank 2 shifting them
+    # first: it learns the token two ahead. Its batches, settings and replays agree with everyone's, and on this
+    # freshly initialised model a 20-step probe passed it, its rank-outlier and spike tests included.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("sft_loop", out, tiny_llama, tmp_path / "loss.jsonl", script_args=("--bug", "label-shift=2")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.environment": [2]}
+    result = json.loads((out / "result.json").read_text())
+    assert result["audits"]["environment"]["message"] == (
+        "loss.target_shift differs: ranks 0-1, 3 the inputs shifted by 1; rank 2 the inputs shifted by 2")
+    assert result["stopped_early"]["step"] == 0
 
 
 @pytest.mark.parametrize(

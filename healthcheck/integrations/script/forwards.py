@@ -7,7 +7,9 @@ that trains consistently. A rank with its own gradient accumulation still shows:
 
 The facts (:func:`.observe.first_forward_facts`) are read before each forward until one is backwarded, so they
 are those of the first training forward, before its randomness was drawn. Usually that is the first forward:
-its backward runs before the next one.
+its backward runs before the next one. With them go the forward's arguments (:func:`forward_arguments`): a rank
+whose loop calls the model without its ``attention_mask`` (a per-node flag for a padding-free path) attends to
+its padding, and neither its batches, its settings nor its statistics on a freshly initialised model showed it.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ class TrainingForwards:
 
     def attach(self, module: Any) -> list[Any]:
         """Hook ``module``'s forwards; returns the handles. The hooks are compiled around, never into."""
-        return [module.register_forward_pre_hook(eager(self.before)), module.register_forward_hook(eager(self.after))]
+        return [module.register_forward_pre_hook(eager(self.before), with_kwargs=True), module.register_forward_hook(eager(self.after))]
 
-    def before(self, module: Any, args: Any) -> None:
+    def before(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch
 
         if self._stopped or self.facts is not None or not torch.is_grad_enabled():
             return
-        self._pending = self._read_facts(module)
+        self._pending = {**self._read_facts(module), "forward_args": forward_arguments(args, kwargs)}
 
     def after(self, module: Any, args: Any, output: Any) -> None:
         import torch
@@ -88,3 +90,22 @@ class TrainingForwards:
         self._stopped = True
         return self.facts or self._pending or {}
 
+
+
+def forward_arguments(args: tuple, kwargs: dict) -> str:
+    """A forward's arguments as the ranks must share them: a tensor's dtype and number of dimensions (not its shape,
+    which follows the batch), any other value by its name alone (``num_items_in_batch`` differs by design).
+
+    >>> import torch
+    >>> forward_arguments((torch.zeros(2, 3),), {"labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": None,
+    ...                                         "num_items_in_batch": 12})
+    '#0 float32 2-d, attention_mask, labels int64 2-d, num_items_in_batch'
+    """
+    import torch
+
+    def kind(name: str, value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{name} {str(value.dtype).removeprefix('torch.')} {value.ndim}-d"
+        return name
+
+    return ", ".join([kind(f"#{i}", value) for i, value in enumerate(args)] + [kind(name, kwargs[name]) for name in sorted(kwargs)])

@@ -144,6 +144,8 @@ def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loade
         **optimizer_facts(optimizer),
         **wrapper_facts(model),
         "train.forwards_in_step_0": str(forwards),
+        # How the loop calls the model: a rank that leaves out its attention mask attends to its padding.
+        "train.forward_args": first_forward.get("forward_args", "none"),
         **(loader.settings if loader else {}),
     }
 

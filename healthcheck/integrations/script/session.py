@@ -157,7 +157,7 @@ class ScriptSession:
             raise InvalidInput("the script calls fully_shard after training started; a probe measures one sharded model")
         self.fsdp.add(module)
 
-    def _start_sharded(self, module: Any, args: Any) -> None:
+    def _start_sharded(self, module: Any, args: Any, kwargs: dict) -> None:
         """The FSDP2 root's first training forward: FSDP2's own pre-forward hook (prepended) has run its lazy
         init, so every parameter group exists."""
         if self.config.faults.grad_noise_std > 0:
@@ -173,7 +173,7 @@ class ScriptSession:
         # read after the forward, include the one added here.
         self._grad_start = GradientStart(module)
         self._handles += self.forwards.attach(module) + self._grad_start.attach(module) + [self.skip.attach(module)]
-        self.forwards.before(module, args)
+        self.forwards.before(module, args, kwargs)
 
     def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
         """The FSDP2 ranks cannot train together (:mod:`.shard_agreement`): they shard differently (before the first

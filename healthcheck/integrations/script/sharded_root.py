@@ -24,7 +24,7 @@ class ShardedRoot:
 
     Args:
         watch: Starts the loss capture on a module; returns the handles that stop it.
-        on_training: ``(root, forward args)`` at the root's first training forward (FSDP2's lazy init has run).
+        on_training: ``(root, forward args, forward kwargs)`` at the root's first training forward (FSDP2's lazy init has run).
         on_disagreement: ``(root, outcome)`` when the ranks shard differently, before any all-gather, or are not
             at the same forward or step before the first update; it must end the run (no rank can train past
             the next all-gather).
@@ -33,7 +33,7 @@ class ShardedRoot:
     def __init__(
         self,
         watch: Callable[[Any], list[Any]],
-        on_training: Callable[[Any, Any], None],
+        on_training: Callable[[Any, Any, dict], None],
         on_disagreement: Callable[[Any, AuditOutcome], None],
     ):
         self._watch, self._on_training, self._on_disagreement = watch, on_training, on_disagreement
@@ -63,7 +63,7 @@ class ShardedRoot:
         self.root = module
         self._handles = [
             *self._watch(module),
-            module.register_forward_pre_hook(eager(self._first_training_forward)),
+            module.register_forward_pre_hook(eager(self._first_training_forward), with_kwargs=True),
             # Before FSDP2's own pre-forward hook (prepended at fully_shard).
             module.register_forward_pre_hook(eager(self._before_all_gather), prepend=True),
         ]
@@ -93,7 +93,7 @@ class ShardedRoot:
             self.started = True
             self._on_disagreement(module, outcome)
 
-    def _first_training_forward(self, module: Any, args: Any) -> None:
+    def _first_training_forward(self, module: Any, args: Any, kwargs: dict) -> None:
         import torch
 
         if self.started or not torch.is_grad_enabled():
@@ -105,4 +105,4 @@ class ShardedRoot:
                 f"{type(module).__name__}); a probe measures one trained model"
             )
         self.started = True
-        self._on_training(module, args)
+        self._on_training(module, args, kwargs)

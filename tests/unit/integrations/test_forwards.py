@@ -32,7 +32,7 @@ def test_a_sanity_forward_never_backwarded_is_not_counted_nor_read():
         net(torch.ones(1, 3))
     for _ in range(3):  # gradient accumulation over three micro-batches
         net(torch.ones(1, 3))["logits"].sum().backward()
-    assert forwards.stop() == {"training": True} and forwards.count == 3
+    assert forwards.stop() == {"training": True, "forward_args": "#0 float32 2-d"} and forwards.count == 3
     net(torch.ones(1, 3))["logits"].sum().backward()  # after the first update: no longer counted
     assert forwards.count == 3
 
@@ -49,7 +49,7 @@ def test_outputs_without_gradients_leave_the_last_forwards_facts():
     net.requires_grad_(False)
     net.eval()
     net(torch.ones(1, 3))
-    assert forwards.count == 0 and forwards.stop() == {"training": False}
+    assert forwards.count == 0 and forwards.stop() == {"training": False, "forward_args": "#0 float32 2-d"}
     for handle in handles:
         handle.remove()
     assert TrainingForwards(lambda module: {}).stop() == {}

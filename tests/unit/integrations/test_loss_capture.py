@@ -371,9 +371,11 @@ def test_the_training_cross_entropys_settings_are_facts_and_a_different_one_diff
     plain = settings_after()
     assert plain == {"loss.cross_entropy": "in the backward", "loss.reduction": "mean", "loss.ignore_index": "-100",
                      "loss.label_smoothing": "0", "loss.weight": "none", "loss.targets": "class indices",
-                     "loss.dtype": "float32"}
+                     "loss.dtype": "float32", "loss.target_shift": "not measured",  # float inputs: no ids
+                     "loss.graph": "LogSoftmax, NllLoss"}
     changed = {key for key, value in settings_after(label_smoothing=0.1).items() if plain[key] != value}
-    assert changed == {"loss.label_smoothing"}
+    # Label smoothing also adds its own term to the graph (the mean of -log p over the vocabulary).
+    assert changed == {"loss.label_smoothing", "loss.graph"}
     weights = [settings_after(weight=torch.tensor([1.0, 1.0, 2.0, 1.0, 1.0]))["loss.weight"] for _ in range(2)]
     assert weights[0] == weights[1] != "none"  # a digest: equal weights agree across ranks
     assert settings_after(weight=torch.ones(5))["loss.weight"] != weights[0]
@@ -385,9 +387,10 @@ def test_the_settings_are_read_once_and_no_trained_call_is_a_fact_too():
     with LossCapture() as capture:
         capture.watch(model)
         model(x).square().mean().backward()  # a custom loss: no cross-entropy
-        assert capture.loss_settings() == {"loss.cross_entropy": "none in the backward"}
+        first = {"loss.cross_entropy": "none in the backward", "loss.target_shift": "not measured", "loss.graph": "Mean, Pow"}
+        assert capture.loss_settings() == first
         F.cross_entropy(model(x).reshape(-1, 5), labels.reshape(-1), label_smoothing=0.2).backward()
-        assert capture.loss_settings() == {"loss.cross_entropy": "none in the backward"}  # recorded until read
+        assert capture.loss_settings() == {**first, "loss.graph": "not measured"}  # recorded until read
 
 
 @pytest.mark.parametrize("num_items", [None, 17])

@@ -21,7 +21,7 @@ class Calls:
         monkeypatch.setattr(sharded_root, "check_agreement", self._compare)
         monkeypatch.setattr(sharded_root, "check_lockstep", lambda fact: self.facts.append(fact) or lockstep(fact))
         self.outcome = outcome
-        self.root = ShardedRoot(self._watch, lambda module, args: self.training.append(module),
+        self.root = ShardedRoot(self._watch, lambda module, args, kwargs: self.training.append(module),
                                 lambda module, outcome: self.disagreed.append((module, outcome)))
 
     def _watch(self, module):
