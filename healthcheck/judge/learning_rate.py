@@ -36,6 +36,8 @@ def learning_rate_audit(
     >>> print(learning_rate_audit({s: [s / 4] * 3 for s in range(5)}, digests).message)
     rank 2 stepped with another learning rate in a later parameter group from step 2 (in 3 of 5 steps; the first group's agreed)
     """
+    if not rates:  # a probe stopped before its first step's rates arrived: no reason of the optimizer's
+        return not_measured("no step was measured")
     judged = sorted(s for s, row in rates.items() if row and all(v is not None for v in row))
     if not judged:
         return not_measured("no step read a learning rate on every rank (an optimizer without param_groups' lr)")

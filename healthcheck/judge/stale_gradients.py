@@ -29,6 +29,8 @@ def stale_gradients_audit(readings: Mapping[int, Sequence[Optional[float]]]) -> 
     >>> outcome.ranks, outcome.signature
     ((0, 2, 3), '0,2-3|1')
     """
+    if not readings:  # a probe stopped before its first step's readings arrived: no reason of the script's
+        return not_measured("no step was measured")
     judged = sorted(s for s, row in readings.items() if row and all(v is not None for v in row))
     if not judged:
         return not_measured("no step in which every rank's backward reached the trained model's output")

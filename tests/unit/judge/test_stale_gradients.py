@@ -1,6 +1,7 @@
 """The stale-gradients audit on per-rank readings (1 carried, 0 cleared, None not read)."""
 
 from healthcheck.judge.fail_fast import DECISIVE, StepAudits
+from healthcheck.judge.learning_rate import learning_rate_audit
 from healthcheck.judge.stale_gradients import stale_gradients_audit
 
 
@@ -23,7 +24,14 @@ def test_a_rank_that_carries_in_some_steps_only_is_named():
 def test_steps_a_rank_was_not_read_in_are_left_out_and_none_read_is_not_measured():
     assert stale_gradients_audit({0: [0.0, None], 1: [0.0, 0.0]}).details["steps_judged"] == 1
     outcome = stale_gradients_audit({0: [None, 0.0], 1: [0.0, None]})
-    assert outcome.passed and not outcome.measured
+    assert outcome.passed and not outcome.measured and "backward reached" in outcome.message
+
+
+def test_a_probe_stopped_before_any_reading_gives_no_reason_of_the_scripts():
+    # Fail fast at step 0: no reading arrived, which says nothing of the script's backward or its optimizer.
+    for outcome in (stale_gradients_audit({}), learning_rate_audit({})):
+        assert not outcome.measured and outcome.message == "not measured: no step was measured"
+    assert "param_groups' lr" in learning_rate_audit({0: [None, None]}).message
 
 
 def test_fail_fast_stops_at_the_first_step_the_ranks_differ():
