@@ -13,12 +13,13 @@ Under an external launcher every process is one worker::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from healthcheck.errors import InvalidInput
 
@@ -184,8 +185,32 @@ def init_distributed(device_type: str, backend: str, timeout_s: float) -> DistIn
         kwargs["device_id"] = torch.device("cuda", info.local_rank)
     elif device_type == "npu":
         torch.npu.set_device(info.local_rank)  # type: ignore[attr-defined]
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    with terminable_while_joining():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return info
+
+
+@contextlib.contextmanager
+def terminable_while_joining() -> Iterator[None]:
+    """SIGTERM ends this worker at once while it joins the process group (on the main thread; elsewhere, nothing).
+
+    Why: a rank that fails before it joins (a broken config on its node, a missing file) leaves the others waiting
+    in ``init_process_group``'s rendezvous, inside C++, where the Python handler of the SIGTERM the elastic agent
+    sends them never runs; torch's process context then waits 30 s before its SIGKILL, and a probe whose rank 1
+    raised at its first line took 32 s to exit 3. Nothing is measured before the group exists, so nothing is lost.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        # None: the handler was not installed from Python, and cannot be put back from it.
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def destroy_distributed() -> None:

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tiny_ddp.py --mode ok --steps 10
 
---mode: ok; raise-at=S (rank 1 raises ValueError at step S); return-after=S (every rank stops after S
+--mode: ok; raise-at=S (rank 1 raises ValueError at step S); raise-before-init=R (rank R raises RuntimeError before
+init_process_group, as a node with a broken config does, while the others wait in the rendezvous); return-after=S (every rank stops after S
 steps); never-step (trains the model but never steps an optimizer); no-ddp (trains a plain model, averaging each
 gradient with dist.all_reduce as PyTorch's "Writing Distributed Applications" tutorial does);
 comm-hook (registers torch's allreduce_hook as its DDP communication hook; comm-hook=R: rank R only); fp16-hook
@@ -25,6 +26,7 @@ Knows nothing about healthcheck.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,8 @@ def main():
     mode, _, value = args.mode.partition("=")
     if mode == "spawn":
         torch.multiprocessing.spawn(worker, nprocs=2)
+    if mode == "raise-before-init" and int(os.environ["RANK"]) == int(value):
+        raise RuntimeError("this node's config is broken")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)

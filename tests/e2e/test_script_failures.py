@@ -59,6 +59,9 @@ def test_a_compiled_ddp_model_is_measured(tmp_path):
     ("mode", "expected"),
     [
         ("raise-at=3", "rank 1 failed at step 3: ValueError: bad batch at step 3"),
+        # Rank 1 fails before it joins the process group: rank 0, waiting in the rendezvous inside C++, never ran the
+        # Python handler of the elastic agent's SIGTERM, and the probe took 32 s to exit (measure/distributed.py).
+        ("raise-before-init=1", "rank 1 failed in the script, before its first optimizer step: RuntimeError: this node's config is broken"),
         ("return-after=2", "the script returned after 2 of the probe's 5 optimizer steps"),
         ("never-step", "the script returned without stepping an optimizer"),
     ],

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.script import clipping, refusals, seeds, step_facts
+from healthcheck.measure.distributed import terminable_while_joining
 from healthcheck.measure.wait_clock import counted_as_waiting
 
 #: The ``torch.distributed`` functions whose time is waiting on the other ranks (asynchronous calls return at once).
@@ -142,7 +143,8 @@ def install(session: Any) -> Patches:
 
     def init_process_group(original: Any) -> Any:
         def init(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
+            with terminable_while_joining():  # a sibling that failed before joining must not hold this rank 30 s
+                out = original(*args, **kwargs)
             refusals.refuse_deepspeed(patches)
             session.on_process_group()
             return out

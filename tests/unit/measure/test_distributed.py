@@ -136,3 +136,25 @@ def test_the_launcher_refuses_an_npu_only_when_torch_npu_is_missing(monkeypatch)
     assert distributed.npu_missing_error("auto") is None and distributed.npu_missing_error("cuda") is None
     fake_torch_npu(monkeypatch, available=True)  # installed (here: already imported, without a spec)
     assert distributed.npu_missing_error("npu") is None
+
+
+_SIGTERM_CHILD = """
+import os, signal, sys
+from healthcheck.measure.distributed import terminable_while_joining
+signal.signal(signal.SIGTERM, lambda *_: (print("handled", flush=True), sys.exit(7)))  # the agent's, inherited
+if sys.argv[1] == "joining":
+    with terminable_while_joining():
+        os.kill(os.getpid(), signal.SIGTERM)  # a C++ wait would never run the Python handler: the default ends it
+else:
+    with terminable_while_joining():
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)  # joined: the handler is back, and a salvage can run
+"""
+
+
+@pytest.mark.parametrize(("phase", "code", "printed"), [("joining", -15, ""), ("joined", 7, "handled\n")])
+def test_sigterm_ends_a_worker_at_once_only_while_it_joins_the_process_group(phase, code, printed):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, phase], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (code, printed), done.stderr
