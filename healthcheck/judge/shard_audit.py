@@ -141,7 +141,8 @@ def data_shard_audit(
         overlapping = [r for r in everyone if shared[r]]
         return AuditOutcome(
             False,
-            f"{overlap_text}; coverage of the planned order {coverage:.0%}",
+            # Every rank that shares is named: an overlap cannot tell the rank whose order moved from the ones it hit.
+            f"{ranks_phrase(overlapping)} read overlapping samples: {overlap_text}; coverage of the planned order {coverage:.0%}",
             f"overlap {rank_span(overlapping)}",
             tuple(overlapping),
             details,
@@ -207,7 +208,9 @@ def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Seque
         worst = max(everyone, key=lambda r: (shared[r], -r))
         return AuditOutcome(
             False,
-            f"{ranks_phrase([worst])} shares {shared[worst]} of its {totals[worst]} samples with other ranks within an epoch; expected 0",
+            # Every rank that shares is named: an overlap cannot tell the rank whose order moved from the ones it hit.
+            f"{ranks_phrase(overlapping)} read overlapping samples within an epoch: {ranks_phrase([worst])} shares "
+            f"{shared[worst]} of its {totals[worst]} samples with other ranks; expected 0",
             f"overlap {rank_span(overlapping)}",
             tuple(overlapping),
             details,

@@ -136,6 +136,15 @@ def test_a_rank_with_its_own_sampler_seed_departs_and_overlaps():
     assert 0.5 < outcome.details["coverage"] < 1
 
 
+def test_an_overlap_without_a_plan_names_every_rank_that_shares():
+    # A Trainer rank with its own data_seed: accelerate's sampler is no DistributedSampler, so no plan says whose order
+    # moved, and the message named rank 0 alone, the rank it hit.
+    consumed = [[(0, [0, 1, 2])], [(0, [3, 4, 5])], [(0, [6, 7, 8])], [(0, [9, 10, 2])]]
+    outcome = data_shard_audit(consumed, None)
+    assert not outcome.passed and outcome.ranks == (0, 3) and outcome.message == (
+        "ranks 0, 3 read overlapping samples within an epoch: rank 0 shares 1 of its 3 samples with other ranks; expected 0")
+
+
 def test_overlap_counts_within_an_epoch_only():
     assert shard_overlap([{0: [1, 2], 1: [3]}, {0: [3, 4], 1: [1]}]) == [0, 0]
     assert shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [2]}]) == [1, 1, 1]
