@@ -255,7 +255,7 @@ def builtin_shard_audit(
     train = config.train
     seed = train.data_seed if train.data_seed is not None else train.seed
     plan = planned_shards(plan_samples, world, seed, train.shuffle, train.micro_batch_size, epochs)
-    return data_shard_audit(consumed, plan)
+    return data_shard_audit(consumed, plan, plan_samples)
 
 
 def seeds_from_evidence(ranks: Sequence[RankInfo], per_rank: Sequence[RankEvidence], *, script: bool) -> AuditOutcome:
@@ -345,7 +345,9 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     compared = len(datasets) == 1 and all(rank_evidence.batch_facts for rank_evidence in per_rank)
     if compared and (batches := batch_audit([rank_evidence.batch_facts for rank_evidence in per_rank])) is not None:
         return batches
-    outcome = _shards_read(consumed, plans, datasets, contents)
+    # The dataset's length, where every rank reads one: an epoch read whole may repeat the sampler's padding.
+    size = int(digests[0].split()[0]) if len(datasets) == 1 and digests[0] else None
+    outcome = _shards_read(consumed, plans, datasets, contents, size)
     if compared and outcome.passed and outcome.measured:
         same = "every rank's DataLoader makes the same batch of the dataset's first, middle and last samples"
         outcome = dataclasses.replace(outcome, message=f"{outcome.message}; {same}")
@@ -353,7 +355,11 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
 
 
 def _shards_read(
-    consumed: Sequence[Any], plans: Sequence[Optional[SamplerPlan]], datasets: Sequence[Sequence[int]], contents: Sequence[Any]
+    consumed: Sequence[Any],
+    plans: Sequence[Optional[SamplerPlan]],
+    datasets: Sequence[Sequence[int]],
+    contents: Sequence[Any],
+    dataset_size: Optional[int] = None,
 ) -> AuditOutcome:
     """Which samples the ranks read, against the shared sampler's plan where there is one."""
     if any(plan is None for plan in plans):
@@ -367,7 +373,8 @@ def _shards_read(
         # Tag each index with its dataset: ranks reading different datasets share no sample.
         span = 1 + max((i for batches in consumed for _, ids in batches for i in ids), default=0)
         tag = {rank: number * span for number, group in enumerate(datasets) for rank in group}
-        return data_shard_audit([[(e, [tag[r] + i for i in ids]) for e, ids in c] for r, c in enumerate(consumed)], None)
+        tagged = [[(e, [tag[r] + i for i in ids]) for e, ids in c] for r, c in enumerate(consumed)]
+        return data_shard_audit(tagged, None, dataset_size if len(datasets) == 1 else None)
     seeds = Counter(plan.seed for plan in plans if plan is not None)
     top = max(seeds.values())
     first = plans[0]
@@ -375,7 +382,7 @@ def _shards_read(
     seed = first.seed if seeds[first.seed] == top else next(s for s, n in seeds.items() if n == top)
     epochs = 1 + max((epoch for batches in consumed for epoch, _ in batches), default=0)
     plan = planned_shards(first.dataset_size, first.num_replicas, seed, first.shuffle, 1, epochs, drop_last=first.drop_last)
-    return data_shard_audit(consumed, plan)
+    return data_shard_audit(consumed, plan, first.dataset_size)
 
 
 def _collective(sharded: bool, mesh: str) -> str:

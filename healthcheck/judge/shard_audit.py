@@ -40,19 +40,43 @@ def first_departure(consumed: Sequence[int], planned: Sequence[int]) -> int | No
     return None
 
 
-def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]]) -> list[int]:
+def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]], dataset_size: Optional[int] = None, batch: int = 1) -> list[int]:
     """Per rank, how many of its samples some other rank also consumed in the same epoch.
+
+    An epoch whose reads cover all ``dataset_size`` samples with fewer than one round of ``batch``-sized batches read
+    twice is a sampler padding the epoch's end so that every rank gets as many: torch's DistributedSampler repeats
+    up to world - 1 samples, accelerate's ``even_batches`` up to a round of batches. Those repeats are shared by
+    design. A rank reading another order cannot cover the dataset with the others: what it reads in place of its own
+    part is left unread.
 
     >>> shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [4, 5]}])
     [1, 1, 0]
+    >>> shard_overlap([{0: [0, 1]}, {0: [2, 0]}], dataset_size=3)  # 3 samples on 2 ranks: sample 0 pads rank 1
+    [0, 0]
     """
     shared = [0] * len(per_rank)
     epochs = {e for rank in per_rank for e in rank}
     for epoch in epochs:
+        if padded_repeats(per_rank, epoch, dataset_size, batch) is not None:
+            continue
         counts = Counter(i for rank in per_rank for i in set(rank.get(epoch, ())))
         for r, rank in enumerate(per_rank):
             shared[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] > 1)
     return shared
+
+
+def padded_repeats(per_rank: Sequence[Mapping[int, Sequence[int]]], epoch: int, dataset_size: Optional[int], batch: int) -> Optional[int]:
+    """How many reads of ``epoch`` repeat a sample where it read all ``dataset_size`` samples with fewer than a round
+    of batches more (:func:`shard_overlap`'s padding); None where it is no such epoch.
+
+    >>> padded_repeats([{0: [0, 1]}, {0: [2, 0]}], 0, 3, 1), padded_repeats([{0: [0, 1]}, {0: [1, 0]}], 0, 3, 1)
+    (1, None)
+    """
+    reads = [i for rank in per_rank for i in rank.get(epoch, ())]
+    repeats = len(reads) - len(set(reads))
+    if not dataset_size or len(set(reads)) != dataset_size or repeats >= len(per_rank) * batch:
+        return None
+    return repeats
 
 
 def plan_coverage(per_rank: Sequence[Mapping[int, Sequence[int]]], plan: Mapping[tuple[int, int], Sequence[int]]) -> float:
@@ -71,7 +95,9 @@ def plan_coverage(per_rank: Sequence[Mapping[int, Sequence[int]]], plan: Mapping
 
 
 def data_shard_audit(
-    consumed: Sequence[Sequence[tuple[int, Sequence[int]]]], plan: Optional[Mapping[tuple[int, int], Sequence[int]]]
+    consumed: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    plan: Optional[Mapping[tuple[int, int], Sequence[int]]],
+    dataset_size: Optional[int] = None,
 ) -> AuditOutcome:
     """Did the ranks read disjoint shards in the planned order, epoch after epoch?
 
@@ -80,13 +106,19 @@ def data_shard_audit(
         plan: ``(rank, epoch) -> sample ids`` of the shared-seed DistributedSampler with ``set_epoch``;
             None when the data was sharded by something else (accelerate's batch shards), so only
             identical and overlapping shards can be judged, not the order.
+        dataset_size: How many samples the indices name, where known: an epoch that read them all may repeat a few
+            where the sampler padded its end (:func:`shard_overlap`).
     """
     per_rank = [flatten_epochs(batches) for batches in consumed]
     world = len(per_rank)
     totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
-    shared = shard_overlap(per_rank)
+    batch = max((len(ids) for batches in consumed for _, ids in batches), default=1)
+    shared = shard_overlap(per_rank, dataset_size, batch)
+    padded = sum(padded_repeats(per_rank, e, dataset_size, batch) or 0 for e in {e for rank in per_rank for e in rank})
+    # Said where it happened: "disjoint" with a sample read twice would read as a contradiction.
+    padding = f"; {padded} read twice where the sampler padded an epoch's end" if padded else ""
     if plan is None:
-        return _without_plan(per_rank, totals, shared)
+        return _without_plan(per_rank, totals, shared, padding)
     coverage = plan_coverage(per_rank, plan)
     departures = {r: dep for r in range(world) if (dep := _rank_departure(per_rank[r], r, plan)) is not None}
     repeats = {r: eps for r in range(world) if (eps := _epochs_repeating_epoch0(per_rank[r], r, plan))}
@@ -155,7 +187,7 @@ def data_shard_audit(
         True,
         f"{ranks_phrase(everyone)} read disjoint shards in the planned order "
         f"({sum(totals)} samples over {len(epochs)} epoch{'s' if len(epochs) != 1 else ''}, "
-        f"100% coverage)",
+        f"100% coverage{padding})",
         "disjoint",
         (),
         details,
@@ -188,7 +220,9 @@ def batch_audit(per_rank: Sequence[Mapping[str, str]]) -> Optional[AuditOutcome]
     )
 
 
-def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int], shared: Sequence[int]) -> AuditOutcome:
+def _without_plan(
+    per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int], shared: Sequence[int], padding: str = ""
+) -> AuditOutcome:
     """Identical or overlapping shards, judged without a sampler plan to compare the order with."""
     world = len(per_rank)
     everyone = list(range(world))
@@ -218,7 +252,7 @@ def _without_plan(per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Seque
     return AuditOutcome(
         True,
         f"{ranks_phrase(everyone)} read disjoint shards ({sum(totals)} samples over "
-        f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}); the order was not checked: no "
+        f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}{padding}); the order was not checked: no "
         "DistributedSampler to rebuild it from",
         "disjoint",
         (),

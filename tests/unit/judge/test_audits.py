@@ -582,3 +582,35 @@ def test_planned_reads_are_what_the_loader_yields_across_epochs(set_epoch, micro
             batch = batches.next()
             read.append((batches.epoch, batch["sample_ids"]))
         assert planned == read and len({epoch for epoch, _ in read}) > 1
+
+
+def _read_by_plan(plan, world, epochs, micro):
+    return [[(e, list(plan[(r, e)][i:i + micro])) for e in range(epochs) for i in range(0, len(plan[(r, e)]), micro)]
+            for r in range(world)]
+
+
+@pytest.mark.parametrize(("n", "world"), [(62, 4), (101, 8), (7, 3)])
+def test_the_samples_a_distributed_sampler_repeats_to_pad_an_epoch_are_no_overlap(n, world):
+    # drop_last=False (torch's default) pads each epoch with its first samples until it divides by the world size:
+    # a script on a dataset of 62 samples and 4 ranks failed as overlapping once it crossed an epoch.
+    plan = planned_shards(n, world, 42, True, 1, 3, drop_last=False)
+    consumed = _read_by_plan(plan, world, 3, 2)
+    outcome = data_shard_audit(consumed, plan, n)
+    padded = 3 * (-n % world)
+    assert outcome.passed and outcome.details["shared_per_rank"] == [0] * world, outcome.message
+    assert f"100% coverage; {padded} read twice where the sampler padded an epoch's end" in outcome.message
+    assert not data_shard_audit(consumed, plan).passed  # without the dataset's size, the repeats read as overlap
+
+
+def test_accelerates_even_batches_padding_passes_and_another_order_in_a_whole_epoch_still_overlaps():
+    # accelerate's BatchSamplerShard (even_batches): 38 samples in batches of 2 on 5 ranks is 19 batches, and rank 4's
+    # fourth batch wraps around to the epoch's first. TRL's DPOTrainer on 5-7 ranks failed on it.
+    order = [int(i) for i in torch.randperm(38, generator=torch.Generator().manual_seed(0))]
+    batches = [order[i:i + 2] for i in range(0, 38, 2)] + [order[:2]]
+    consumed = [[(0, batches[step * 5 + r]) for step in range(4)] for r in range(5)]
+    outcome = data_shard_audit(consumed, None, 38)
+    assert outcome.passed and "40 samples over 1 epoch; 2 read twice where the sampler padded" in outcome.message
+    # Rank 3 reads its batches from another order: what it reads instead of its part is left unread.
+    other = [int(i) for i in torch.randperm(38, generator=torch.Generator().manual_seed(1))]
+    consumed[3] = [(0, other[8 * k:8 * k + 2]) for k in range(4)]
+    assert not data_shard_audit(consumed, None, 38).passed
