@@ -214,7 +214,12 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
     """Do the ranks run the same software, devices, precision, determinism flags and comm variables?
 
     Each mapping has ``versions`` (dict), ``device_name``, ``precision`` and ``env`` (dict) as in
-    :class:`healthcheck.artifacts.RankInfo`, plus any further scalar fields to compare.
+    :class:`healthcheck.artifacts.RankInfo`, plus any further scalar fields to compare. ``details["facts"]`` keeps
+    rank 0's fields, so what was compared can be read back from ``result.json`` (its loss graph, its optimizer...).
+
+    >>> outcome = environment_audit([{"precision": "fp32", "loss.graph": "LogSoftmax, NllLoss"}] * 2)
+    >>> outcome.passed, outcome.details["facts"]["loss.graph"]
+    (True, 'LogSoftmax, NllLoss')
     """
     table = [environment_fields(r) for r in ranks]
     keys = sorted({k for row in table for k in row})
@@ -234,12 +239,13 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
             f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_/CUBLAS_ variables",
             "uniform",
             (),
-            {"compared": len(keys)},
+            {"compared": len(keys), "facts": first},
         )
     blamed = sorted({rank for _, groups, _ in differing for rank in odd_ones_out(groups)})
     signature = "; ".join(f"{key} {partition_signature(groups)}" for key, groups, _ in differing)
     message = differences_phrase(differing, name=lambda key: key.removeprefix("versions."))
-    return AuditOutcome(False, message, signature, tuple(blamed), {"differing": [key for key, _, _ in differing]})
+    details = {"differing": [key for key, _, _ in differing], "facts": table[0]}
+    return AuditOutcome(False, message, signature, tuple(blamed), details)
 
 
 def differing_fields(table: Sequence[Mapping[str, str]]) -> list[tuple[str, list[list[int]], list[str]]]:
