@@ -168,6 +168,11 @@ def data_shard_audit(
         )
         if len(departures) == 1:
             message = message.replace(f"{who} sampler", f"{who}'s sampler", 1)
+        if borrowed := {r: q for r in departures if (q := _planned_for_another(per_rank[r], r, plan, world)) is not None}:
+            # The shard another rank's plan holds: a sampler given the wrong rank, LOCAL_RANK on a second node the
+            # classic one. Said before the rest, which reads as a seed.
+            read = "; ".join(f"rank {r} read the shard planned for rank {q}" for r, q in sorted(borrowed.items()))
+            message = f"{read} (a sampler given another rank: LOCAL_RANK where RANK is meant, on a node after the first?); {message}"
         return AuditOutcome(False, message, f"departs {rank_span(departures)}", tuple(sorted(departures)), details)
     if any(shared):
         overlapping = [r for r in everyone if shared[r]]
@@ -265,6 +270,20 @@ def _rank_departure(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> tup
         index = first_departure(epochs[epoch], plan.get((rank, epoch), ()))
         if index is not None:
             return epoch, index
+    return None
+
+
+def _planned_for_another(epochs: Mapping[int, Sequence[int]], rank: int, plan, world: int) -> Optional[int]:
+    """The other rank whose planned shard ``rank`` read, every epoch, sample for sample; None if none.
+
+    >>> _planned_for_another({0: [1, 2]}, 2, {(0, 0): [1, 2, 5], (1, 0): [3, 4, 6], (2, 0): [7, 8, 9]}, 3)
+    0
+    """
+    for other in range(world):
+        if other != rank and epochs and all(
+            ids and list(ids) == list(plan.get((other, epoch), ())[: len(ids)]) for epoch, ids in epochs.items()
+        ):
+            return other
     return None
 
 

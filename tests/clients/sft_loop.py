@@ -17,7 +17,9 @@ settings and replays still agree with everyone's:
 * ``no-mask=R``: rank R calls the model without its ``attention_mask``;
 * ``grad-hook=R``: rank R doubles every parameter's gradient in a tensor hook (a debugging hook left in);
 * ``checkpointing=R``: rank R trains with activation checkpointing: the same gradients, ~30% slower, a straggler;
-* ``save-every=K``: no bug: rank 0 saves the model every K steps, as scripts do.
+* ``save-every=K``: no bug: rank 0 saves the model every K steps, as scripts do;
+* ``sampler-local-rank`` (no rank): the ``DistributedSampler`` is given ``LOCAL_RANK`` for its rank, right on one
+  node and wrong on every node after it, whose ranks read the first node's shards.
 """
 
 import argparse
@@ -70,7 +72,8 @@ def main():
     if bug == "grad-hook" and faulted:
         for param in ddp.parameters():
             param.register_hook(lambda grad: grad * 2)
-    sampler = DistributedSampler(samples, seed=0)
+    sampler_rank = int(os.environ["LOCAL_RANK"]) if bug == "sampler-local-rank" else rank
+    sampler = DistributedSampler(samples, num_replicas=dist.get_world_size(), rank=sampler_rank, seed=0)
     loader = DataLoader(samples, batch_size=4, sampler=sampler, collate_fn=collate)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     schedule = get_cosine_schedule_with_warmup(optimizer, 2, args.steps)

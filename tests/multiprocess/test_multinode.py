@@ -63,14 +63,14 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def agent_command(port: int, run_id: str, out: Path, is_host: bool) -> list[str]:
+def agent_command(port: int, run_id: str, out: Path, is_host: bool, probe_args: list[str] = PROBE_ARGS) -> list[str]:
     # Naming the host explicitly, as each node's hostname does on a cluster: on one machine both agents match
     # "localhost", race to bind the store, and the loser falls back to a client.
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--nproc_per_node", str(NPROC_PER_NODE),
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", run_id,
         "--rdzv_conf", f"is_host={int(is_host)}",
-        "-m", "healthcheck", "probe", "--out", str(out), *PROBE_ARGS,
+        "-m", "healthcheck", "probe", "--out", str(out), *probe_args,
     ]
 
 
@@ -90,7 +90,9 @@ def kill_group(process: subprocess.Popen) -> None:
             time.sleep(0.1)
 
 
-def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tuple[int, str]]:
+def run_agents(
+    tmp_path: Path, out: Path, timeout_s: float = 240.0, probe_args: list[str] = PROBE_ARGS
+) -> list[tuple[int, str]]:
     port, run_id = free_port(), f"hc-multinode-{uuid.uuid4().hex[:8]}"
     base_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     base_env.update(NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
@@ -100,8 +102,8 @@ def run_agents(tmp_path: Path, out: Path, timeout_s: float = 240.0) -> list[tupl
             for name in AGENTS:
                 log = logs.enter_context(open(tmp_path / f"agent-{name}.log", "w"))
                 agents.append(subprocess.Popen(
-                    agent_command(port, run_id, out, is_host=name == AGENTS[0]), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                    env={**base_env, AGENT_VARIABLE: name}, start_new_session=True,
+                    agent_command(port, run_id, out, is_host=name == AGENTS[0], probe_args=probe_args), cwd=tmp_path,
+                    stdout=log, stderr=subprocess.STDOUT, env={**base_env, AGENT_VARIABLE: name}, start_new_session=True,
                 ))
             deadline = time.monotonic() + timeout_s
             for process in agents:
@@ -152,3 +154,29 @@ def test_two_agents_form_one_four_rank_probe(tmp_path):
     assert sorted((row["step"], row["rank"]) for row in rows) == [(s, r) for s in range(STEPS) for r in range(world)]
     assert all(row["loss"] is not None and row["grad_norm"] > 0 for row in rows)
     assert result.summary["cosine_mean"].n == STEPS - 1  # the window starts after one warmup step
+
+
+def test_a_scripts_sampler_given_local_rank_is_named_on_the_second_node(tmp_path):
+    # The classic multi-node mistake: DistributedSampler(rank=LOCAL_RANK) is right on one node, and on the second
+    # node ranks 2-3 read the shards planned for ranks 0-1. A one-node probe cannot show it.
+    repo = Path(__file__).resolve().parents[2]
+    data = repo.parent / "shared" / "data" / "gsm8k_alpaca.json"
+    if not data.exists():
+        pytest.skip("../shared/data is not beside this checkout")
+    sys.path.insert(0, str(repo / "tests" / "clients"))
+    try:
+        from make_model import make_tiny_llama
+    finally:
+        sys.path.remove(str(repo / "tests" / "clients"))
+    model = make_tiny_llama(str(tmp_path / "tiny-llama"))
+    out = tmp_path / "run"
+    args = ["--script", str(repo / "tests" / "clients" / "sft_loop.py"), "--audits-only", "--no-plots", "--set", "train.steps=2",
+            "--", "--model", str(model), "--data", str(data), "--steps", "20", "--bug", "sampler-local-rank"]
+    agents = run_agents(tmp_path, out, probe_args=args)
+    if any(code not in (0, 1) and LAUNCHER_FLAKE in log for code, log in agents):
+        out = tmp_path / "run-again"
+        agents = run_agents(tmp_path, out, probe_args=args)
+    result = load_result(out)
+    shards = result.audits["data_shards"]
+    assert not shards["passed"] and shards["ranks"] == [2, 3], shards["message"]
+    assert shards["message"].startswith("rank 2 read the shard planned for rank 0; rank 3 read the shard planned for rank 1")

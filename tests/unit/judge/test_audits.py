@@ -614,3 +614,16 @@ def test_accelerates_even_batches_padding_passes_and_another_order_in_a_whole_ep
     other = [int(i) for i in torch.randperm(38, generator=torch.Generator().manual_seed(1))]
     consumed[3] = [(0, other[8 * k:8 * k + 2]) for k in range(4)]
     assert not data_shard_audit(consumed, None, 38).passed
+
+
+def test_a_rank_whose_sampler_was_given_another_rank_is_named_with_the_shard_it_read():
+    # Two nodes of two ranks, the sampler given LOCAL_RANK: ranks 2-3 read the shards planned for ranks 0-1.
+    plan = planned_shards(64, 4, 42, True, 1, 2, drop_last=False)
+    consumed = _read_by_plan(plan, 4, 2, 4)
+    consumed[2], consumed[3] = consumed[0], consumed[1]
+    outcome = data_shard_audit(consumed, plan, 64)
+    assert not outcome.passed and outcome.ranks == (2, 3)
+    assert outcome.message.startswith("rank 2 read the shard planned for rank 0; rank 3 read the shard planned for rank 1 "
+                                      "(a sampler given another rank: LOCAL_RANK where RANK is meant"), outcome.message
+    consumed[3] = _consume(64, 4, 8, seeds={0: 7})[0]  # a seed of its own reads no one's shard
+    assert "rank 3 read" not in data_shard_audit(consumed, plan, 64).message
