@@ -18,9 +18,10 @@ from pydantic import ValidationError
 
 from healthcheck.artifacts import WorkerFailure
 from healthcheck.errors import one_line
+from healthcheck.judge.audit_outcome import ranks_phrase
 from healthcheck.judge.summary import summarize_run
 from healthcheck.run.console import LOGS_DIR
-from healthcheck.run.stacks import main_stack, where_waiting
+from healthcheck.run.stacks import in_collective, main_stack, traceback_stacks, where_waiting
 from healthcheck.run.watchdog import before_first_step, read_beats
 
 ERRORS_DIR = "errors"
@@ -142,7 +143,9 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
         return f"in step {beat.step} ({beat.phase})" if beat and beat.step >= 0 else before_steps(rank)
 
     for rank, signum in sorted((signals or {}).items()):
-        return f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}{_last_words(run_dir, rank)}"
+        words = _last_words(run_dir, rank)
+        line = f"rank {rank} was killed by signal {signum} ({_signal_name(signum)}) {where(rank)}{words}"
+        return line + (_collectives(run_dir, rank) if "mismatch" in words else "")
     reports = read_worker_failures(run_dir)
     causes = [r for r in reports if not any(marker in r.reason for marker in PEER_FAILURE_MARKERS)]
     if causes:
@@ -169,6 +172,32 @@ def describe_failure(run_dir: Path, launcher_message: str, signals: Optional[dic
     return f"{launcher_message} (last recorded step {last}, so it died in step {last + 1})"
 
 
+def _collectives(run_dir: Path, dead: int) -> str:
+    """``"; collective mismatch: ranks 0, 2-3 in ...; rank 1 in ..."`` for a rank that died of a mismatch: where every
+    rank was, the dead one from its log, the others from their tracebacks (their collective failed when its connection
+    closed; one the agent's SIGTERM stopped while it handled that error, where the error was raised). The rank that died saw
+    the mismatch first, and is not necessarily the one whose code path differs: a Trainer rank 1 with its own
+    ``average_tokens_across_devices`` skipped an all_gather the others made, and rank 2 died of it."""
+    stacks = {dead: main_stack(_log_tail(run_dir, dead))}
+    for path in (run_dir / ERRORS_DIR).glob("rank-*.traceback.txt"):
+        rank = int(path.name.split(".")[0].removeprefix("rank-"))
+        # The exception a rank was handling when the agent's SIGTERM stopped it holds the collective.
+        tracebacks = traceback_stacks(path.read_text(errors="replace"))
+        stacks.setdefault(rank, next((frames for frames in tracebacks if in_collective(frames)), []))
+    # Grouped by the collective alone: a traceback caught inside torch's logging wrapper stops there, without callers.
+    groups: dict[str, list[int]] = {}
+    places: dict[str, str] = {}
+    for rank, frames in sorted(stacks.items()):
+        if in_collective(frames):
+            where = where_waiting(frames)
+            collective = where.split(",")[0]
+            groups.setdefault(collective, []).append(rank)
+            places[collective] = max(places.get(collective, ""), where, key=len)
+    if len(groups) < 2:
+        return ""
+    return "; collective mismatch: " + "; ".join(f"{ranks_phrase(ranks)} in {places[c]}" for c, ranks in groups.items())
+
+
 def _internal(report: WorkerFailure) -> str:
     """The clause that puts an error raised in healthcheck's own code on healthcheck, not on the script."""
     if report.raised_in is None:
@@ -185,14 +214,19 @@ _ENFORCE_AT = re.compile(r"^\[enforce fail at [^]]*\] ")
 
 def _last_words(run_dir: Path, rank: int) -> str:
     """``": <what the rank printed as it died>"`` from its log (when the console was quiet), or ``""``."""
+    words = dying_words(_log_tail(run_dir, rank))
+    return f": {words}" if words else ""
+
+
+def _log_tail(run_dir: Path, rank: int) -> str:
+    """The last 64 KiB of a rank's console log, or ``""``."""
     try:
         with open(run_dir / LOGS_DIR / f"rank-{rank}.log", "rb") as log:
             log.seek(0, 2)
             log.seek(max(0, log.tell() - 65536))
-            words = dying_words(log.read().decode(errors="replace"))
+            return log.read().decode(errors="replace")
     except OSError:
         return ""
-    return f": {words}" if words else ""
 
 
 def dying_words(log: str) -> Optional[str]:

@@ -31,6 +31,8 @@ DUMP_SIGNAL: Optional[int] = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") 
 _MAIN_LINE = re.compile(r"^main (0x[0-9a-f]+)$")
 _THREAD_LINE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.+)$')
+#: A frame of a Python traceback (``traceback.format_exception``), outermost first.
+_TRACEBACK_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.+)$')
 #: Frames in these files are the machinery between a caller and the wait, not the call site (wait_clock
 #: is healthcheck's transparent timer around a script's collectives).
 _MACHINERY = ("/torch/", "/multiprocessing/", "/threading.py", "/concurrent/", "/healthcheck/measure/wait_clock.py")
@@ -125,6 +127,26 @@ def main_stack(dump: str) -> list[Frame]:
     if main is not None and int(main, 16) in stacks:
         return stacks[int(main, 16)]
     return max(stacks.values(), key=len, default=[])
+
+
+def traceback_stacks(text: str) -> list[list[Frame]]:
+    """The frames of each traceback in a formatted exception, innermost first: a chained exception's in the order
+    printed, the one it was handling first.
+
+    >>> text = '''Traceback (most recent call last):
+    ...   File "/w/train.py", line 9, in main
+    ...     dist.all_gather(out, t)
+    ...   File "/v/torch/distributed/distributed_c10d.py", line 4287, in all_gather
+    ...     work.wait()
+    ... RuntimeError: Connection closed by peer'''
+    >>> [[f.func for f in stack] for stack in traceback_stacks(text)]
+    [['all_gather', 'main']]
+    """
+    stacks = []
+    for part in text.split("Traceback (most recent call last):")[1:]:
+        frames = [Frame(m["file"], int(m["line"]), m["func"]) for line in part.splitlines() if (m := _TRACEBACK_LINE.match(line))]
+        stacks.append(frames[::-1])
+    return stacks
 
 
 def short_path(path: str) -> str:

@@ -91,6 +91,36 @@ def test_a_rank_that_aborted_in_cpp_is_described_by_its_last_words(tmp_path):
     )
 
 
+_PEER_TRACEBACK = """\
+Traceback (most recent call last):
+  File "/w/train.py", line {line}, in main
+    {call}
+  File "/v/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+    return func(*args, **kwargs)
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 4287, in {collective}
+    work.wait()
+RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:34467. This is typically caused by a remote worker crashing.
+"""
+
+
+def test_a_rank_that_died_of_a_collective_mismatch_is_told_with_where_every_rank_was(tmp_path):
+    # Rank 3 died of the mismatch, and rank 1 is the one on another code path: the line used to name rank 3 alone.
+    for rank in range(4):
+        Heartbeat(tmp_path, rank).beat(-1, "script")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-3.log").write_text(_ABORT_LOG)
+    for rank, collective, line in ((0, "all_gather_single", 76), (1, "all_reduce", 80), (2, "all_gather_single", 76)):
+        record_worker_failure(tmp_path, rank, None, RuntimeError("Connection closed by peer"))
+        call = f"dist.{collective}(out, t)"
+        (tmp_path / "errors" / f"rank-{rank}.traceback.txt").write_text(_PEER_TRACEBACK.format(line=line, call=call, collective=collective))
+    line = describe_failure(tmp_path, "exit -6", signals={3: 6})
+    assert line.endswith("; collective mismatch: ranks 0, 2-3 in all_gather_single, called from train.py:76 (main); "
+                         "rank 1 in all_reduce, called from train.py:80 (main)"), line
+    # Every rank in the same collective is no mismatch between code paths: nothing is added.
+    (tmp_path / "errors" / "rank-1.traceback.txt").write_text(_PEER_TRACEBACK.format(line=76, call="", collective="all_gather_single"))
+    assert describe_failure(tmp_path, "exit -6", signals={3: 6}).endswith("(in all_gather_single, called from train.py:76 (main))")
+
+
 def test_a_silent_death_with_a_fatal_error_in_its_log_says_so_instead_of_guessing(tmp_path):
     for rank in range(2):
         Heartbeat(tmp_path, rank).beat(5, "backward")
