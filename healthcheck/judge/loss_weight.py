@@ -78,6 +78,7 @@ def loss_weight_audit(
     table = {s: [float(w) for w in weights[s] if w is not None] for s in judged}  # every weight is known there
     ratios, moving = _ratios(table, tolerance)
     per = ""
+    per_token: dict[int, list[float]] = {}
     if moving and tokens is not None:
         # A script that divides by a count over every rank: w = c * N_rank / N_all, so w / N_rank is c / N_all.
         counted = [s for s in judged if s in tokens and all(_positive(n) for n in tokens[s])]
@@ -89,6 +90,8 @@ def loss_weight_audit(
     details = {"steps_judged": len(judged), "ratio_to_median": [round(statistics.median(v), 6) for v in ratios]}
     if per:
         details["per_token"] = True
+    if moving and (apart := _apart_from_a_majority(per_token or table, tolerance, " per token" if per_token else "")) is not None:
+        return apart
     if moving:
         lo, hi = min(min(ratios[r]) for r in moving), max(max(ratios[r]) for r in moving)
         return AuditOutcome(
@@ -132,6 +135,38 @@ def loss_weight_audit(
         if len(levels) == 2:
             message += f": that data trains the model {ratios[levels[1][0]][0] / base:.{digits}g}x as hard"
     return AuditOutcome(False, message, partition_signature(levels), tuple(odd), details)
+
+
+def _apart_from_a_majority(table: Mapping[int, Sequence[float]], tolerance: float, per: str = "") -> Optional[AuditOutcome]:
+    """The failure where a strict majority of ranks (two at least) weigh their loss (per token, where ``table`` is
+    per token) exactly alike in every judged step, and the others do not: weights that follow the data agree between
+    ranks only by chance, step after step never. A rank whose loss is no token mean (TRL's ``loss_type="dft"``, a
+    focal loss, a per-sample mean) on one node moves against ranks that agree to float rounding: it was "not judged".
+
+    >>> steps = {s: [0.5, 0.5 * (s + 1) / 700, 0.5, 0.5] for s in range(4)}
+    >>> print(_apart_from_a_majority(steps, 1e-4).message)  # doctest: +NORMALIZE_WHITESPACE
+    rank 1's loss enters its backward with another weight than ranks 0, 2-3's in each of 4 steps (0.00143x to
+    0.00571x theirs), which agree exactly: it weighs its data otherwise (another loss, or a scale of its own)
+    >>> _apart_from_a_majority({s: [1.0 + s * r for r in range(4)] for s in range(4)}, 1e-4) is None  # all follow
+    True
+    """
+    steps = sorted(table)
+    world = len(table[steps[0]])
+    rows = [tuple(table[s][r] for s in steps) for r in range(world)]
+    groups = group_ranks(rows, same=lambda a, b: all(_same(x, y, tolerance) for x, y in zip(a, b, strict=True)))
+    majority = groups[0]
+    if len(majority) < 2 or 2 * len(majority) <= world:
+        return None
+    odd = sorted(r for r in range(world) if r not in majority)
+    base = majority[0]
+    scale = [rows[r][i] / rows[base][i] for r in odd for i in range(len(steps))]
+    message = (
+        f"{ranks_phrase(odd)}'s loss enters its backward with another weight{per} than {ranks_phrase(majority)}'s in each "
+        f"of {len(steps)} steps ({min(scale):.3g}x to {max(scale):.3g}x theirs), which agree exactly: it weighs its data "
+        "otherwise (another loss, or a scale of its own)"
+    )
+    details = {"steps_judged": len(steps), "scale_to_majority": [round(min(scale), 6), round(max(scale), 6)]}
+    return AuditOutcome(False, message, partition_signature(groups), tuple(odd), details)
 
 
 #: Judged steps after which a failing loss-weight audit stops the probe (fail fast). A per-rank scale is

@@ -102,3 +102,20 @@ def test_the_watch_never_stops_clean_ranks_or_weights_that_follow_the_data():
     decided = [watch.add(s, weights[s], tokens[s]) for s in range(12)]
     assert decided.index(next(d for d in decided if d is not None)) == DECISIVE_STEPS - 1
     assert decided[DECISIVE_STEPS - 1].ranks == (3,)
+
+
+def test_a_rank_whose_loss_is_no_token_mean_is_named_against_ranks_that_agree_per_token():
+    # TRL's SFTTrainer with loss_type="dft" on rank 1 alone (each token's loss times its probability), 4 ranks, read
+    # off a real probe: TRL divides by a count over every rank, so ranks 0, 2-3 agree per token to float rounding and
+    # rank 1 moves with its data. The audit said "not judged: the weights follow the data".
+    weights = {0: [0.9981, 0.001976, 0.868904, 1.101963], 1: [0.930362, 0.001988, 1.103064, 1.002786],
+               2: [0.928377, 0.002799, 0.866727, 0.93563], 3: [1.037879, 0.002629, 0.886364, 0.959596],
+               4: [0.859279, 0.002122, 0.984364, 1.329708]}
+    tokens = {0: [394, 407, 343, 435], 1: [334, 346, 396, 360], 2: [256, 350, 239, 258], 3: [411, 442, 351, 380],
+              4: [316, 304, 362, 489]}
+    outcome = loss_weight_audit(weights, tokens)
+    assert not outcome.passed and outcome.ranks == (1,), outcome.message
+    assert outcome.message.startswith("rank 1's loss enters its backward with another weight per token than ranks 0, 2-3's")
+    # Every rank following its data (a per-sample mean everywhere) has no majority that agrees: still not judged.
+    moving = {s: [w * (1 + 0.1 * ((s * 7 + r * 3) % 5)) for r, w in enumerate(row)] for s, row in weights.items()}
+    assert not loss_weight_audit(moving, tokens).measured
