@@ -91,7 +91,6 @@ class TrainingForwards:
         return self.facts or self._pending or {}
 
 
-
 def forward_arguments(args: tuple, kwargs: dict) -> str:
     """A forward's arguments as the ranks must share them: a tensor's dtype and number of dimensions (not its shape,
     which follows the batch), any other value by its name alone (``num_items_in_batch`` differs by design).
