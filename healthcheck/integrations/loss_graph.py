@@ -69,14 +69,16 @@ def graph_kinds(roots: Iterable[Any], max_nodes: int = MAX_NODES) -> Optional[fr
     True
     """
     stack = [root.grad_fn for root in roots if getattr(root, "grad_fn", None) is not None]
-    seen: set[int] = set()
+    # The visited nodes' Python objects are held, not only their ids: a node's object can be freed and made again on
+    # the next access, and a freed object's id can come back as another node's.
+    seen: dict[int, Any] = {}
     kinds: set[str] = set()
     reached = False
     while stack and len(seen) < max_nodes:
         node = stack.pop()
-        if node is None or id(node) in seen:  # ids are stable here: every node is alive while its root is
+        if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if node.metadata.get(OUTPUT_MARK):
             reached = True
             continue

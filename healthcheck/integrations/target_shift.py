@@ -32,6 +32,8 @@ MIN_TOKENS = 16
 #: slice of the sequence (a chunked loss's chunk), whose offset in it is unknown: the shift its chunk reads, 65 for the
 #: second of 64 columns, depends on where that rank's first counted target falls, so chunks are not read at all.
 MAX_SHIFT = 4
+#: Candidate shifts checked at most, nearest first.
+MAX_CANDIDATES = 64
 #: The fact of a rank whose targets are no shift of its inputs.
 NOT_INPUTS = "not the inputs"
 
@@ -76,7 +78,9 @@ def target_shift(inputs: Any, target: Any, ignore_index: int = -100) -> Union[in
     for column in (columns[0], columns[-1]):
         row = int(np.flatnonzero(counted[:, column])[0])
         candidates.update(int(k) for k in np.flatnonzero(x[row] == y[row, column]) - column)
-    for shift in sorted(candidates, key=lambda k: (abs(k), k < 0)):
+    # The nearest first, and only so many: a token as common as counted padding puts a candidate at each of its
+    # positions, and a shift is a few positions at most.
+    for shift in sorted(candidates, key=lambda k: (abs(k), k < 0))[:MAX_CANDIDATES]:
         if _holds(x, y, counted, shift):
             return shift
     return NOT_INPUTS
