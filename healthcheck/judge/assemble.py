@@ -374,7 +374,7 @@ def _shards_read(
         span = 1 + max((i for batches in consumed for _, ids in batches for i in ids), default=0)
         tag = {rank: number * span for number, group in enumerate(datasets) for rank in group}
         tagged = [[(e, [tag[r] + i for i in ids]) for e, ids in c] for r, c in enumerate(consumed)]
-        return data_shard_audit(tagged, None, dataset_size if len(datasets) == 1 else None)
+        return data_shard_audit(tagged, None, dataset_size)  # the caller's size is None for several datasets
     seeds = Counter(plan.seed for plan in plans if plan is not None)
     top = max(seeds.values())
     first = plans[0]

@@ -10,7 +10,7 @@ shared seed, ``set_epoch`` each epoch); :mod:`healthcheck.judge.assemble` builds
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, rank_span, ranks_phrase
 from healthcheck.judge.exact_audits import differences_phrase, differing_fields
@@ -40,25 +40,18 @@ def first_departure(consumed: Sequence[int], planned: Sequence[int]) -> int | No
     return None
 
 
-def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]], dataset_size: Optional[int] = None, batch: int = 1) -> list[int]:
-    """Per rank, how many of its samples some other rank also consumed in the same epoch.
-
-    An epoch whose reads cover all ``dataset_size`` samples with fewer than one round of ``batch``-sized batches read
-    twice is a sampler padding the epoch's end so that every rank gets as many: torch's DistributedSampler repeats
-    up to world - 1 samples, accelerate's ``even_batches`` up to a round of batches. Those repeats are shared by
-    design. A rank reading another order cannot cover the dataset with the others: what it reads in place of its own
-    part is left unread.
+def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]], padded: Collection[int] = ()) -> list[int]:
+    """Per rank, how many of its samples some other rank also consumed in the same epoch, but in the ``padded``
+    epochs (:func:`padded_repeats`), whose repeats are shared by design.
 
     >>> shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [4, 5]}])
     [1, 1, 0]
-    >>> shard_overlap([{0: [0, 1]}, {0: [2, 0]}], dataset_size=3)  # 3 samples on 2 ranks: sample 0 pads rank 1
+    >>> shard_overlap([{0: [0, 1]}, {0: [2, 0]}], padded={0})  # 3 samples on 2 ranks: sample 0 pads rank 1
     [0, 0]
     """
     shared = [0] * len(per_rank)
-    epochs = {e for rank in per_rank for e in rank}
+    epochs = {e for rank in per_rank for e in rank} - set(padded)
     for epoch in epochs:
-        if padded_repeats(per_rank, epoch, dataset_size, batch) is not None:
-            continue
         counts = Counter(i for rank in per_rank for i in set(rank.get(epoch, ())))
         for r, rank in enumerate(per_rank):
             shared[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] > 1)
@@ -67,7 +60,11 @@ def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]], dataset_size:
 
 def padded_repeats(per_rank: Sequence[Mapping[int, Sequence[int]]], epoch: int, dataset_size: Optional[int], batch: int) -> Optional[int]:
     """How many reads of ``epoch`` repeat a sample where it read all ``dataset_size`` samples with fewer than a round
-    of batches more (:func:`shard_overlap`'s padding); None where it is no such epoch.
+    of ``batch``-sized batches more; None where it is no such epoch.
+
+    Such an epoch is a sampler padding its end so that every rank gets as many: torch's DistributedSampler repeats up
+    to world - 1 samples, accelerate's ``even_batches`` up to a round of batches. A rank reading another order cannot
+    cover the dataset with the others: what it reads in place of its own part is left unread.
 
     >>> padded_repeats([{0: [0, 1]}, {0: [2, 0]}], 0, 3, 1), padded_repeats([{0: [0, 1]}, {0: [1, 0]}], 0, 3, 1)
     (1, None)
@@ -113,10 +110,12 @@ def data_shard_audit(
     world = len(per_rank)
     totals = [sum(len(ids) for ids in rank.values()) for rank in per_rank]
     batch = max((len(ids) for batches in consumed for _, ids in batches), default=1)
-    shared = shard_overlap(per_rank, dataset_size, batch)
-    padded = sum(padded_repeats(per_rank, e, dataset_size, batch) or 0 for e in {e for rank in per_rank for e in rank})
+    epochs_read = {e for rank in per_rank for e in rank}
+    padded = {e: n for e in epochs_read if (n := padded_repeats(per_rank, e, dataset_size, batch)) is not None}
+    shared = shard_overlap(per_rank, padded)
     # Said where it happened: "disjoint" with a sample read twice would read as a contradiction.
-    padding = f"; {padded} read twice where the sampler padded an epoch's end" if padded else ""
+    read_twice = sum(padded.values())
+    padding = f"; {read_twice} read twice where the sampler padded an epoch's end" if read_twice else ""
     if plan is None:
         return _without_plan(per_rank, totals, shared, padding)
     coverage = plan_coverage(per_rank, plan)
@@ -279,12 +278,7 @@ def _planned_for_another(epochs: Mapping[int, Sequence[int]], rank: int, plan, w
     >>> _planned_for_another({0: [1, 2]}, 2, {(0, 0): [1, 2, 5], (1, 0): [3, 4, 6], (2, 0): [7, 8, 9]}, 3)
     0
     """
-    for other in range(world):
-        if other != rank and epochs and all(
-            ids and list(ids) == list(plan.get((other, epoch), ())[: len(ids)]) for epoch, ids in epochs.items()
-        ):
-            return other
-    return None
+    return next((other for other in range(world) if other != rank and epochs and _rank_departure(epochs, other, plan) is None), None)
 
 
 def _epochs_repeating_epoch0(epochs: Mapping[int, Sequence[int]], rank: int, plan) -> list[int]:

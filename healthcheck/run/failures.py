@@ -21,7 +21,7 @@ from healthcheck.errors import one_line
 from healthcheck.judge.audit_outcome import ranks_phrase
 from healthcheck.judge.summary import summarize_run
 from healthcheck.run.console import LOGS_DIR
-from healthcheck.run.stacks import in_collective, main_stack, traceback_stacks, where_waiting
+from healthcheck.run.stacks import collective_of, in_collective, main_stack, traceback_stacks, where_waiting
 from healthcheck.run.watchdog import before_first_step, read_beats
 
 ERRORS_DIR = "errors"
@@ -188,11 +188,9 @@ def _collectives(run_dir: Path, dead: int) -> str:
     groups: dict[str, list[int]] = {}
     places: dict[str, str] = {}
     for rank, frames in sorted(stacks.items()):
-        if in_collective(frames):
-            where = where_waiting(frames)
-            collective = where.split(",")[0]
+        if (collective := collective_of(frames)) is not None:
             groups.setdefault(collective, []).append(rank)
-            places[collective] = max(places.get(collective, ""), where, key=len)
+            places[collective] = max(places.get(collective, ""), where_waiting(frames), key=len)
     if len(groups) < 2:
         return ""
     return "; collective mismatch: " + "; ".join(f"{ranks_phrase(ranks)} in {places[c]}" for c, ranks in groups.items())

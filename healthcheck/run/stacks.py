@@ -228,8 +228,13 @@ def describe(dumps: dict[int, str]) -> Optional[str]:
 
 def in_collective(frames: list[Frame]) -> bool:
     """Whether the innermost torch frame (wrappers aside) is a collective or DDP's communication."""
+    return collective_of(frames) is not None
+
+
+def collective_of(frames: list[Frame]) -> Optional[str]:
+    """The function of the collective (or DDP communication) the innermost torch frame is in, or None."""
     wait = _innermost_torch(frames)
-    return wait is not None and any(part in wait.file for part in _COLLECTIVES)
+    return wait.func if wait is not None and any(part in wait.file for part in _COLLECTIVES) else None
 
 
 def _innermost_torch(frames: list[Frame]) -> Optional[Frame]:
