@@ -47,6 +47,7 @@ from healthcheck.integrations.loss_hooks import (
     patch_cross_entropy,
     patch_label_smoother,
     unpatch,
+    when_trained,
 )
 from healthcheck.integrations.loss_weight import WeightProbe, step_weight
 from healthcheck.integrations.target_shift import TargetShifts, token_ids
@@ -243,14 +244,8 @@ class LossCapture:
     def _note_settings(self, result: Any, settings: tuple[str, ...]) -> None:
         """Record ``settings`` once the backward runs through ``result``: a loss computed only to be logged (rank 0's
         per-token losses, say) is no rank's training loss, and must not make its rank differ."""
-        if self._settings is None or not result.requires_grad:
-            return
-
-        def trained(grad: Any) -> None:
-            if self._settings is not None and grad is not None:  # None: no gradient reached it (loss_weight.py)
-                self._settings.add(settings)
-
-        result.register_hook(trained)
+        if (seen := self._settings) is not None:  # a later add reaches a set already read: no one looks at it again
+            when_trained(result, lambda: seen.add(settings))
 
     def record(self, loss: Any, tokens: Any = None) -> None:
         """An explicit micro-batch loss (``healthcheck.record_loss``); ``tokens`` defaults to 1."""

@@ -52,6 +52,22 @@ def cross_entropy_settings(kwargs: dict, target: Any, result: Any) -> tuple[str,
     )
 
 
+def when_trained(result: Any, record: Any) -> None:
+    """Call ``record()`` once the backward hands ``result`` a gradient: a loss computed only to be logged (rank 0's
+    per-token losses, say) gets none, or a None one where no gradient reached it (:mod:`.loss_weight`).
+
+    >>> import torch
+    >>> seen = []
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> trained, logged = x.sum(), x.sum() * 2
+    >>> when_trained(trained, lambda: seen.append("trained")); when_trained(logged, lambda: seen.append("logged"))
+    >>> trained.backward(); seen
+    ['trained']
+    """
+    if getattr(result, "requires_grad", False):
+        result.register_hook(lambda grad: record() if grad is not None else None)
+
+
 def patch_cross_entropy() -> None:
     import torch.nn.functional as F
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from healthcheck.integrations.loss_hooks import when_trained
 from healthcheck.judge.exact_audits import NOT_MEASURED
 
 #: Counted targets a shift must be checked on: fewer could match a wrong shift by chance (a class id that happens
@@ -134,17 +135,10 @@ class TargetShifts:
     def observe(self, inputs: Any, target: Any, ignore_index: int, result: Any) -> None:
         """A cross-entropy's targets and result, with the inputs of its forward; counted once the backward reaches it
         (a loss computed for a log, with other targets, is no rank's training loss)."""
-        if self._seen is None or inputs is None or not getattr(result, "requires_grad", False):
+        if (seen := self._seen) is None or inputs is None or not getattr(result, "requires_grad", False):
             return
-        shift = target_shift(inputs, target, ignore_index)
-        if shift is None:
-            return
-
-        def trained(grad: Any) -> None:
-            if self._seen is not None and grad is not None:
-                self._seen.add(shift)
-
-        result.register_hook(trained)
+        if (shift := target_shift(inputs, target, ignore_index)) is not None:
+            when_trained(result, lambda: seen.add(shift))  # after facts() read the set, an add changes nothing read
 
     def facts(self) -> dict[str, str]:
         """``loss.target_shift``: the shifts seen ("the inputs shifted by 1"; "... by 1 and 2" for a loss that also
