@@ -20,8 +20,6 @@ from typing import Callable, Optional, Sequence
 from healthcheck.config import ProbeConfig, load_config
 from healthcheck.errors import ExitCode, InvalidInput
 
-#: The rank most faults are injected on: not 0, so naming it cannot be a rank-0 accident.
-FAULTY_RANK = 3
 #: First train.seed of scenario runs (baselines are recorded from seed 42 upwards).
 FIRST_SEED = 1000
 
@@ -33,16 +31,17 @@ BITFLIP_STEP = 25
 SEEDED_RANK = "{rank}"
 
 
-def _on_faulty_rank(section: str, body: str, rank: str | int = FAULTY_RANK) -> str:
+def _on_faulty_rank(section: str, body: str, rank: str | int = SEEDED_RANK) -> str:
     return f"rank_overrides={{{rank}: {{{section}: {{{body}}}}}}}"
 
 
 def seeded_rank(seed: int, world_size: int) -> int:
     """The faulted rank of a seeded scenario: any rank but 0, spread over the seeds (a hash, not ``seed % n``).
 
-    Newer scenarios fault a different rank on every seed, so a detection row shows that the guard can
-    name any rank, not only the fixed rank 3 of the original catalogue. Rank 0 is left out so that
-    naming it can never be a rank-0 accident.
+    Every one-rank fault of the catalogue hits a different rank on each seed, so a detection row shows
+    that the guard names whichever rank it is: the catalogue used to fault a fixed rank 3, which a check
+    could have learned. Rank 0 is left out so that naming it can never be a rank-0 accident (S1-2 is the
+    paper's own rank-0 setting and keeps it).
 
     >>> sorted({seeded_rank(seed, 8) for seed in range(1000, 1020)})
     [1, 2, 3, 4, 5, 6, 7]
@@ -61,7 +60,7 @@ class Scenario:
         description: What goes wrong, in one line.
         sets: ``--set`` expressions applied on top of the default probe.
         expected_checks: Finding ids (fnmatch patterns, e.g. ``envelope.*``) any of which catches it.
-        expected_ranks: ``"3"``, ``"0"``, ``"all"`` (every rank is named), ``"{rank}"`` (the seeded rank,
+        expected_ranks: ``"0"`` (a fixed rank), ``"all"`` (every rank is named), ``"{rank}"`` (the seeded rank,
             see :func:`seeded_rank`; ``sets`` then say ``{rank}`` where the rank goes), or ``""`` (nothing may fire).
         fsdp_checks: The expected checks under ``distributed.strategy=fsdp`` when sharding changes which
             audit sees the fault (None: the same as ``expected_checks``).
@@ -125,24 +124,24 @@ CATALOGUE: tuple[Scenario, ...] = (
     ),
     Scenario(
         "loss-x2",
-        f"rank {FAULTY_RANK} multiplies its loss by 2 (a gradient-accumulation normalisation bug)",
+        "one rank multiplies its loss by 2 (a gradient-accumulation normalisation bug)",
         (_on_faulty_rank("train", "loss_scale: 2.0"),),
         ("envelope.*", "audit.rank_outliers"),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
     ),
     Scenario(
         "fp32-vs-bf16",
-        f"rank {FAULTY_RANK} trains in bf16 autocast, the others in fp32",
+        "one rank trains in bf16 autocast, the others in fp32",
         (_on_faulty_rank("train", "precision: bf16"),),
         ("audit.environment",),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
     ),
     Scenario(
         "lr-x10",
-        f"rank {FAULTY_RANK} uses 10x the learning rate (1e-2 instead of 1e-3)",
+        "one rank uses 10x the learning rate (1e-2 instead of 1e-3)",
         (_on_faulty_rank("train", "lr: 0.01"),),
         ("audit.param_equality",),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
         # Under FSDP2 no rank holds a replica that could drift: each updates only its own shard, and the
         # gathered full parameters are the same on every rank. What is left of the fault is a rank whose
         # optimizer disagrees, which the sharded-state audit compares at every check step.
@@ -150,17 +149,17 @@ CATALOGUE: tuple[Scenario, ...] = (
     ),
     Scenario(
         "label-mask-bug",
-        f"rank {FAULTY_RANK} trains on prompt tokens too (data.response_only_loss false)",
+        "one rank trains on prompt tokens too (data.response_only_loss false)",
         (_on_faulty_rank("data", "response_only_loss: false"),),
         ("envelope.*", "audit.rank_outliers"),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
     ),
     Scenario(
         "grad-noise",
-        f"rank {FAULTY_RANK}'s local gradient gets Gaussian noise of 2x its RMS (silent corruption)",
+        "one rank's local gradient gets Gaussian noise of 2x its RMS (silent corruption)",
         (_on_faulty_rank("faults", "grad_noise_std: 2.0"),),
         ("envelope.*", "audit.rank_outliers"),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
         fsdp_not_applicable=(
             "the fault is injected by per-parameter gradient hooks, and under FSDP2 those do not see a rank's "
             "local gradient (it is reduce-scattered from FSDP's own flat buffers)"
@@ -169,14 +168,14 @@ CATALOGUE: tuple[Scenario, ...] = (
     Scenario(
         "straggler",
         "one rank sleeps 50 ms in every step",
-        (_on_faulty_rank("faults", "step_sleep_ms: 50", rank=SEEDED_RANK),),
+        (_on_faulty_rank("faults", "step_sleep_ms: 50"),),
         ("audit.stragglers",),
         SEEDED_RANK,
     ),
     Scenario(
         "bad-device",
         "one rank's matmul outputs are off by 1e-3 relative from step 10 (a device that computes slightly wrong)",
-        (_on_faulty_rank("faults", "matmul_error: 0.001, matmul_error_from_step: 10", rank=SEEDED_RANK),),
+        (_on_faulty_rank("faults", "matmul_error: 0.001, matmul_error_from_step: 10"),),
         ("audit.replay",),
         SEEDED_RANK,
         fsdp_not_applicable="the replay audit needs each rank to hold the whole model; under FSDP2 every rank holds a shard",
@@ -185,7 +184,7 @@ CATALOGUE: tuple[Scenario, ...] = (
         "bitflip",
         f"one rank flips exponent bit 28 of the loss it backpropagates at step {BITFLIP_STEP} "
         "(x2^32 for that step's loss and local gradient)",
-        (_on_faulty_rank("faults", f"bitflip_at_step: {BITFLIP_STEP}", rank=SEEDED_RANK),),
+        (_on_faulty_rank("faults", f"bitflip_at_step: {BITFLIP_STEP}"),),
         ("audit.spikes",),
         SEEDED_RANK,
         # The flip is in the loss, not in one gradient element (faults.flip_float32_bit says why), so it needs
@@ -193,10 +192,10 @@ CATALOGUE: tuple[Scenario, ...] = (
     ),
     Scenario(
         "nan",
-        f"rank {FAULTY_RANK}'s loss turns NaN at step 15",
+        "one rank's loss turns NaN at step 15",
         (_on_faulty_rank("faults", "nan_at_step: 15"),),
         ("audit.nonfinite",),
-        str(FAULTY_RANK),
+        SEEDED_RANK,
     ),
 )
 
@@ -243,8 +242,8 @@ def assess(
 ) -> Outcome:
     """Judge one run: ``failed`` lists ``(check id, ranks named)`` for every failed finding.
 
-    >>> lr = SCENARIOS["lr-x10"]
-    >>> assess(lr, [("audit.param_equality", [3]), ("envelope.loss_std", [5])], 8, seed=1, exit_code=1).ok
+    >>> lr = SCENARIOS["lr-x10"]  # seed 1 faults rank 7 (seeded_rank(1, 8))
+    >>> assess(lr, [("audit.param_equality", [7]), ("envelope.loss_std", [5])], 8, seed=1, exit_code=1).ok
     True
     >>> assess(lr, [("audit.param_equality", [5])], 8, seed=1, exit_code=1).right_rank
     False

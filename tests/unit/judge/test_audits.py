@@ -543,17 +543,20 @@ def test_run_named_exit_code_follows_the_misses(tmp_path, monkeypatch):
 
     path = tmp_path / "baseline.json"
     save_baseline(fitted(3), path)
-    caught = {"lr-x10": [("audit.param_equality", [3])], "clean": [], "nan": [("audit.nonfinite", [5])]}
+    # The faulted rank is drawn from the seed (seeds 1000 and 1001 fault ranks 7 and 6): lr-x10 names it, nan another.
+    assert (scenarios.seeded_rank(1000, 8), scenarios.seeded_rank(1001, 8)) == (7, 6)
 
     def fake_run(scenario, seed, baseline, **_):
-        return scenarios.assess(scenario, caught[scenario.name], 8, seed=seed, exit_code=1)
+        named = {"lr-x10": [("audit.param_equality", [scenarios.seeded_rank(seed, 8)])], "clean": [],
+                 "nan": [("audit.nonfinite", [5])]}
+        return scenarios.assess(scenario, named[scenario.name], 8, seed=seed, exit_code=1)
 
     monkeypatch.setattr(scenarios, "run_scenario", fake_run)
     lines: list[str] = []
     assert scenarios.run_named(["lr-x10", "clean"], seeds=2, baseline=path, emit=lines.append) == 0
     assert len(lines) == 5 and lines[0].startswith("lr-x10") and "seed 1000" in lines[0] and "-> detected, right rank" in lines[0]
     assert lines[-1] == "4/4 runs caught as expected"
-    assert scenarios.run_named(["nan"], baseline=path, emit=lines.append) == 1  # rank 5 named, rank 3 expected
+    assert scenarios.run_named(["nan"], baseline=path, emit=lines.append) == 1  # rank 5 named, rank 7 expected
     assert "WRONG RANK" in lines[-2] and "missed: nan (seed 1000)" in lines[-1]
     with pytest.raises(InvalidInput, match="--seeds: expected at least 1"):
         scenarios.run_named(["nan"], seeds=0, baseline=path)
@@ -566,6 +569,21 @@ def test_every_scenario_config_validates_and_names_a_rank_inside_the_world():
         config = scenario.config(1000)
         assert scenario.expected_checks and scenario.expected_rank_set(config.distributed.nproc) <= set(range(8))
         assert config.train.seed == 1000
+
+
+def test_every_one_rank_fault_moves_with_the_seed():
+    """No scenario faults a fixed rank a check could have learned (the catalogue's rank 3 of old); S1-2 is the
+    paper's rank-0 setting, a seed policy rather than an override."""
+    from healthcheck.run.scenarios import CATALOGUE, SEEDED_RANK, seeded_rank
+
+    one_rank = [s for s in CATALOGUE if s.expected_ranks not in ("all", "")]
+    assert {s.name for s in one_rank if s.expected_ranks != SEEDED_RANK} == {"s1-2"}
+    for scenario in one_rank:
+        if scenario.expected_ranks != SEEDED_RANK:
+            continue
+        faulted = [set(scenario.config(seed).rank_overrides) for seed in range(1000, 1020)]
+        assert faulted == [{seeded_rank(seed, 8)} for seed in range(1000, 1020)], scenario.name
+        assert set().union(*faulted) == set(range(1, 8)), scenario.name
 
 
 @pytest.mark.parametrize("set_epoch", [True, False])
