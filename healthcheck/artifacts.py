@@ -291,6 +291,9 @@ class RankEvidence(Record):
     dataset_digest: Optional[str] = Field(
         None, description="--script: length and a content hash of 32 evenly spaced samples of the training loader's dataset."
     )
+    dataset_size: Optional[int] = Field(
+        None, ge=0, description="--script: how many samples the training loader's dataset holds (None: it has no length)."
+    )
     batch_facts: dict[str, str] = Field(
         default_factory=dict,
         description="--script: what the training loader's collate_fn makes of the dataset's first, middle and last "

@@ -346,7 +346,7 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
     if compared and (batches := batch_audit([rank_evidence.batch_facts for rank_evidence in per_rank])) is not None:
         return batches
     # The dataset's length, where every rank reads one: an epoch read whole may repeat the sampler's padding.
-    size = int(digests[0].split()[0]) if len(datasets) == 1 and digests[0] else None
+    size = per_rank[0].dataset_size if len(datasets) == 1 and digests[0] else None
     outcome = _shards_read(consumed, plans, datasets, contents, size)
     if compared and outcome.passed and outcome.measured:
         same = "every rank's DataLoader makes the same batch of the dataset's first, middle and last samples"

@@ -61,6 +61,7 @@ class AuditRecorder:
         self.sampler: Optional[SamplerPlan] = None
         self.shard_source = "sampler"
         self.dataset_digest: Optional[str] = None
+        self.dataset_size: Optional[int] = None
         self.batch_facts: dict[str, str] = {}
         self.hints: dict[str, str] = {}  #: :mod:`healthcheck.measure.module_hooks`, never judged
         self.loss_problem: Optional[str] = None
@@ -118,6 +119,7 @@ class AuditRecorder:
             shard_source=self.shard_source,
             loss_problem=self.loss_problem,
             dataset_digest=self.dataset_digest,
+            dataset_size=self.dataset_size,
             batch_facts=self.batch_facts,
             hints=self.hints,
         )

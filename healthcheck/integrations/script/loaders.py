@@ -167,6 +167,7 @@ class LoaderRecorder:
             "sampler": loader.plan,
             "shard_source": "sampler" if loader.plan else "loader",
             "dataset_digest": loader.dataset_digest,
+            "dataset_size": loader.dataset_size,
             "batch_facts": loader.batch_facts,
         }
 

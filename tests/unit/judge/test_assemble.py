@@ -81,6 +81,19 @@ def test_ranks_that_split_the_data_themselves_are_not_judged_by_index():
     assert not outcome.passed and set(outcome.ranks) == {2, 3}
 
 
+def test_accelerates_padding_is_excused_with_the_dataset_size_every_rank_reported():
+    # accelerate's even_batches: 38 samples in batches of 2 on 5 ranks, rank 4's last batch wraps to the first two.
+    # No DistributedSampler plan holds the size here: it comes from the loader's dataset, a typed field of the
+    # evidence (it was read back out of the digest's "38 samples, ..." text).
+    batches = [[2 * i, 2 * i + 1] for i in range(19)] + [[0, 1]]
+    ranks = [RankEvidence(consumed=[(0, batches[step * 5 + r]) for step in range(4)], shard_source="loader",
+                          dataset_digest="38 samples, sha256 a", dataset_size=38) for r in range(5)]
+    outcome = script_shard_audit(ranks)
+    assert outcome.passed and "2 read twice where the sampler padded an epoch's end" in outcome.message, outcome.message
+    unsized = [rank_evidence.model_copy(update={"dataset_size": None}) for rank_evidence in ranks]
+    assert not script_shard_audit(unsized).passed  # without a length, the wrapped batch reads as overlap
+
+
 BATCH = {"input_ids": "int64[3,40] 1a2b3c4d", "labels": "int64[3,40] 5e6f7a8b"}
 NO_EOS = {"input_ids": "int64[3,39] 0badc0de", "labels": "int64[3,39] 0ddba11a"}
 
