@@ -288,12 +288,8 @@ class RankEvidence(Record):
     contents: list[tuple[int, list[int]]] = Field(default_factory=list, description="--script: (epoch, a 63-bit hash of each "
                                                   "sample) of every batch the training loader yielded (.sample_hashes).")
     loss_problem: Optional[str] = Field(None, description="Why this rank's loss was not measured at some step, if so.")
-    dataset_digest: Optional[str] = Field(
-        None, description="--script: length and a content hash of 32 evenly spaced samples of the training loader's dataset."
-    )
-    dataset_size: Optional[int] = Field(
-        None, ge=0, description="--script: how many samples the training loader's dataset holds (None: it has no length)."
-    )
+    dataset_size: Optional[int] = Field(None, ge=0, description="--script: samples in the training loader's dataset (None: no length).")
+    dataset_digest: Optional[str] = Field(None, description="--script: length and a hash of 32 evenly spaced samples of that dataset.")
     batch_facts: dict[str, str] = Field(
         default_factory=dict,
         description="--script: what the training loader's collate_fn makes of the dataset's first, middle and last "
