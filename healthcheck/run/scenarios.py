@@ -31,8 +31,9 @@ BITFLIP_STEP = 25
 SEEDED_RANK = "{rank}"
 
 
-def _on_faulty_rank(section: str, body: str, rank: str | int = SEEDED_RANK) -> str:
-    return f"rank_overrides={{{rank}: {{{section}: {{{body}}}}}}}"
+def _on_faulty_rank(section: str, body: str) -> str:
+    """The ``--set`` that gives the seeded rank (:func:`seeded_rank`) the config ``{section: {body}}``."""
+    return f"rank_overrides={{{SEEDED_RANK}: {{{section}: {{{body}}}}}}}"
 
 
 def seeded_rank(seed: int, world_size: int) -> int:

@@ -576,11 +576,9 @@ def test_every_one_rank_fault_moves_with_the_seed():
     paper's rank-0 setting, a seed policy rather than an override."""
     from healthcheck.run.scenarios import CATALOGUE, SEEDED_RANK, seeded_rank
 
-    one_rank = [s for s in CATALOGUE if s.expected_ranks not in ("all", "")]
-    assert {s.name for s in one_rank if s.expected_ranks != SEEDED_RANK} == {"s1-2"}
-    for scenario in one_rank:
-        if scenario.expected_ranks != SEEDED_RANK:
-            continue
+    fixed = {s.name for s in CATALOGUE if s.expected_ranks not in ("all", "", SEEDED_RANK)}
+    assert fixed == {"s1-2"}
+    for scenario in (s for s in CATALOGUE if s.expected_ranks == SEEDED_RANK):
         faulted = [set(scenario.config(seed).rank_overrides) for seed in range(1000, 1020)]
         assert faulted == [{seeded_rank(seed, 8)} for seed in range(1000, 1020)], scenario.name
         assert set().union(*faulted) == set(range(1, 8)), scenario.name
