@@ -11,9 +11,11 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from healthcheck.errors import ProbeFailed
 from healthcheck.measure.distributed import LOOPBACK
@@ -49,33 +51,36 @@ def launch_local(
 
     Returns ``{rank: return value}``; raises :class:`ProbeFailed` naming the failed rank(s).
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     quiet_elastic_logs()
     _protect_forked_workers()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        # Numeric loopback, never a host name: the workers are forked from a process whose threads
-        # (the agent's store and keep-alive) may hold glibc's resolver lock at fork time, and a
-        # child that then resolves "localhost" waits on that lock forever. A numeric address skips
-        # the resolver, and MASTER_ADDR comes from local_addr instead of a getfqdn() lookup.
-        rdzv_endpoint=f"{LOOPBACK}:0",
-        local_addr=LOOPBACK,
-        max_restarts=0,
-        monitor_interval=monitor_interval_s,
-        start_method=start_method,
-    )
-    gate = ForkGate(nproc) if start_method == "fork" else None
-    try:
-        return elastic_launch(config, _after_every_fork)(gate, entrypoint, *args)
-    except ChildFailedError as exc:
-        signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
-        raise ProbeFailed(describe_child_failure(exc), signals) from None
+    with launch_scratch() as (scratch, tempdir):
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=run_id,
+            rdzv_backend="c10d",
+            # Numeric loopback, never a host name: the workers are forked from a process whose threads
+            # (the agent's store and keep-alive) may hold glibc's resolver lock at fork time, and a
+            # child that then resolves "localhost" waits on that lock forever. A numeric address skips
+            # the resolver, and MASTER_ADDR comes from local_addr instead of a getfqdn() lookup.
+            rdzv_endpoint=f"{LOOPBACK}:0",
+            local_addr=LOOPBACK,
+            max_restarts=0,
+            monitor_interval=monitor_interval_s,
+            start_method=start_method,
+            logs_specs=DefaultLogsSpecs(log_dir=scratch),
+        )
+        gate = ForkGate(nproc) if start_method == "fork" else None
+        try:
+            return elastic_launch(config, _after_every_fork)(gate, tempdir, entrypoint, *args)
+        except ChildFailedError as exc:
+            signals = {rank: -f.exitcode for rank, f in exc.failures.items() if f.exitcode is not None and f.exitcode < 0}
+            raise ProbeFailed(describe_child_failure(exc), signals) from None
 
 
 #: How long a forked worker waits for its siblings to be forked (:class:`ForkGate`) before it goes on anyway.
@@ -111,11 +116,37 @@ class ForkGate:
         return True
 
 
-def _after_every_fork(gate: ForkGate | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """A worker's entry point: through the :class:`ForkGate` first, before anything can resolve an address."""
+def _after_every_fork(gate: ForkGate | None, tempdir: str | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A worker's entry point: through the :class:`ForkGate` first, before anything can resolve an address, and
+    with the temporary folder the launcher had before :func:`launch_scratch` (a forked worker inherits the swap)."""
+    tempfile.tempdir = tempdir
     if gate is not None:
         gate.wait()
     return entrypoint(*args)
+
+
+@contextlib.contextmanager
+def launch_scratch() -> Iterator[tuple[str, str | None]]:
+    """A private folder for torch's launcher files, removed after the launch; yields it and the temporary
+    folder setting it replaced.
+
+    torch's launcher writes into the temporary folder and never removes what it wrote: a log tree per launch
+    (``torchelastic_*``, empty unless a worker fails) and a pickled traceback per failed worker
+    (``pytorch-errorfile-*.pickle``). A CI runner that probes on every job would keep them all. healthcheck
+    already keeps a failed worker's traceback in ``RUN_DIR/errors/``, so nothing is lost with them. The log
+    tree's folder is a parameter; the error files' is not (``torch.multiprocessing`` makes them in this
+    process with :mod:`tempfile`), so the process's temporary folder points here for the launch. A forked
+    worker sets it back first thing (:func:`_after_every_fork`): the script's own temporary files are the
+    user's, and stay where the user's settings put them.
+    """
+    scratch = tempfile.mkdtemp(prefix="healthcheck-launch-")
+    replaced = tempfile.tempdir
+    tempfile.tempdir = scratch
+    try:
+        yield scratch, replaced
+    finally:
+        tempfile.tempdir = replaced
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 _fork_hook_installed = False

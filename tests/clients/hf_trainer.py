@@ -49,7 +49,7 @@ class LossFile(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
 
 
-def main():
+def main(output_dir: str):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)
@@ -112,7 +112,7 @@ def main():
         return out
 
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf_trainer_"),
+        output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=4 if int(os.environ.get("RANK", 0)) == args.accum_rank else 2,
         max_steps=args.steps,
@@ -142,4 +142,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # save_strategy="no": nothing is kept there, and the folder goes however training ends.
+    with tempfile.TemporaryDirectory(prefix="hf_trainer_") as scratch:
+        main(scratch)

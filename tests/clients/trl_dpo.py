@@ -31,7 +31,7 @@ class RecordedLoss(DPOTrainer):
         return out
 
 
-def main():
+def main(output_dir: str):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)
@@ -51,7 +51,7 @@ def main():
     ds = Dataset.from_list([{"prompt": alpaca_prompt(r), "chosen": r["output"], "rejected": rows[(i + 1) % len(rows)]["output"]}
                             for i, r in enumerate(rows)])
     cfg = DPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_dpo_"),
+        output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
         max_steps=args.steps,
         logging_steps=1,
@@ -72,4 +72,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # save_strategy="no": nothing is kept there, and the folder goes however training ends.
+    with tempfile.TemporaryDirectory(prefix="trl_dpo_") as scratch:
+        main(scratch)

@@ -51,7 +51,7 @@ class ScaledLossTrainer(SFTTrainer):
         return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
 
 
-def main():
+def main(output_dir: str):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)
@@ -72,7 +72,7 @@ def main():
     ds = Dataset.from_list([{"prompt": alpaca_prompt(r), "completion": r["output"]} for r in rows])
 
     cfg = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_sft_"),
+        output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=2,
         max_steps=args.steps,
@@ -102,4 +102,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # save_strategy="no": nothing is kept there, and the folder goes however training ends.
+    with tempfile.TemporaryDirectory(prefix="trl_sft_") as scratch:
+        main(scratch)

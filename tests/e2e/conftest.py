@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests: run the real ``healthcheck`` command and read its artifacts."""
+"""Helpers for end-to-end tests: run the real ``healthcheck`` command (:func:`run_cli`) and read its artifacts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.warm_cli import WarmCommands
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -23,13 +25,41 @@ def healthcheck_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "healthcheck"]
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def command_env(env: dict | None = None) -> dict[str, str]:
     full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
     full_env.pop("GITHUB_ACTIONS", None)
     full_env.pop("GITHUB_STEP_SUMMARY", None)
-    return subprocess.run(
-        [*healthcheck_command(), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
-    )
+    return full_env
+
+
+_warm: WarmCommands | None = None
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The ``healthcheck`` command, as ``subprocess.run`` gives it back (:func:`run_command`)."""
+    return run_command([*healthcheck_command(), *map(str, args)], cwd=cwd, timeout=timeout, env=env)
+
+
+def run_command(argv: list[str], cwd: Path = REPO, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A command of this interpreter (the console script, or ``python -m``), forked from a process that has torch and
+    transformers imported (:mod:`tests.e2e.warm_cli`), unless its environment differs from that process's or
+    ``HEALTHCHECK_TESTS_COLD=1`` is set: then ``subprocess.run`` itself, a fresh interpreter."""
+    global _warm
+    full_env = command_env(env)
+    if os.environ.get("HEALTHCHECK_TESTS_COLD") == "1":
+        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if _warm is None:
+        _warm = WarmCommands(full_env, REPO)
+    if _warm.takes(full_env):
+        return _warm.run(argv, cwd, timeout, full_env)
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_commands_end():
+    yield
+    if _warm is not None:
+        _warm.close()
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -13,7 +13,6 @@ per-parameter hooks (:mod:`tests.e2e.with_gradient_reference`), independent of t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from healthcheck.measure import runqueue
-from tests.e2e.conftest import REPO, SHARED_DATA, failed_findings, failed_ranks, read_rows, run_cli
+from tests.e2e.conftest import REPO, SHARED_DATA, failed_findings, failed_ranks, read_rows, run_cli, run_command
 
 DATA = SHARED_DATA / "gsm8k_alpaca.json"
 CLIENTS = REPO / "tests" / "clients"
@@ -49,8 +48,7 @@ def probe_args(client: str, out: Path, model: Path, log: Path, *, steps: int = S
 
 
 def run_with_reference(dump: Path, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.e2e.with_gradient_reference", str(dump), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "NO_COLOR": "1"})
+    return run_command([sys.executable, "-m", "tests.e2e.with_gradient_reference", str(dump), *args], timeout=900)
 
 
 CLIENT_NAMES = ("ddp_tutorial", "hf_trainer", "trl_sft", "accelerate_loop")
