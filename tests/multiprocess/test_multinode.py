@@ -70,6 +70,8 @@ def agent_command(port: int, run_id: str, out: Path, is_host: bool, probe_args: 
         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--nproc_per_node", str(NPROC_PER_NODE),
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", run_id,
         "--rdzv_conf", f"is_host={int(is_host)}",
+        # In the agent's folder (the test's), where torchrun's default is a torchelastic_* folder it never removes.
+        "--log-dir", "torchrun-logs",
         "-m", "healthcheck", "probe", "--out", str(out), *probe_args,
     ]
 
