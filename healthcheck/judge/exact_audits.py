@@ -296,9 +296,12 @@ def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:
 
 
 def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sampled_steps: Optional[int] = None) -> AuditOutcome:
-    """Fail on the first NaN/Inf loss or local gradient of each rank (``result.nonfinite``).
+    """Fail on the first NaN/Inf loss or local gradient of each rank (``result.nonfinite``), naming the ranks where
+    it came first: one rank's NaN reaches every rank through the step's all-reduce or reduce-scatter, so the ranks
+    that follow it at a later step are only said. ``sampled_steps``: how many steps were measured (None: unknown).
 
-    ``sampled_steps``: how many steps were measured (None: unknown); with none, nothing was checked.
+    >>> nonfinite_audit([{"rank": 6, "step": 15, "what": "loss"}, *({"rank": r, "step": 16, "what": "loss"} for r in range(6))], 8).message
+    "rank 6's loss went NaN/Inf first at step 15; ranks 0-5 followed at step 16 (the probe stopped there)"
     """
     if not events and sampled_steps == 0:
         return AuditOutcome(True, "not measured: no step was measured", "unchecked", (), measured=False)
@@ -307,15 +310,16 @@ def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sample
             True, f"losses and local gradients stayed finite on {ranks_phrase(range(world_size))} at every sampled step", "finite", ()
         )
     ordered = sorted(events, key=lambda e: (e["step"], e["rank"]))
-    parts = [f"rank {e['rank']}'s {e['what']} went NaN/Inf first at step {e['step']}" for e in ordered]
-    ranks = sorted({e["rank"] for e in ordered})
-    return AuditOutcome(
-        False,
-        "; ".join(parts) + " (the probe stopped there)",
-        f"nonfinite {rank_span(ranks)}",
-        tuple(ranks),
-        {"events": [dict(e) for e in ordered]},
-    )
+    first = [e for e in ordered if e["step"] == ordered[0]["step"]]
+    ranks = sorted({e["rank"] for e in first})
+    parts = [f"rank {e['rank']}'s {e['what']} went NaN/Inf first at step {e['step']}" for e in first]
+    followed: dict[int, set[int]] = {}
+    for e in ordered:
+        if e["rank"] not in ranks and not any(e["rank"] in r for r in followed.values()):
+            followed.setdefault(e["step"], set()).add(e["rank"])
+    parts += [f"{ranks_phrase(r)} followed at step {step}" for step, r in followed.items()]
+    return AuditOutcome(False, "; ".join(parts) + " (the probe stopped there)", f"nonfinite {rank_span(ranks)}", tuple(ranks),
+                        {"events": [dict(e) for e in ordered]})
 
 
 # --------------------------------------------------------------------------- 6. reduction numerics

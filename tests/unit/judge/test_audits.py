@@ -325,6 +325,18 @@ def test_nonfinite_names_rank_and_first_step():
     assert nonfinite_audit([], 8).passed
 
 
+def test_nonfinite_names_the_ranks_where_it_came_first_and_says_who_followed():
+    # Rank 5's NaN gradient reaches every rank through the step's all-reduce: the others' losses follow a step later.
+    events = [{"rank": r, "step": 8, "what": "loss"} for r in (0, 1, 2, 3, 4, 6, 7)]
+    events += [{"rank": 5, "step": 7, "what": "local gradient"}, {"rank": 5, "step": 8, "what": "loss"},
+               {"rank": 2, "step": 7, "what": "loss"}, {"rank": 1, "step": 9, "what": "local gradient"}]
+    outcome = nonfinite_audit(events, 8)
+    assert outcome.ranks == (2, 5) and outcome.signature == "nonfinite 2,5"
+    assert outcome.message == ("rank 2's loss went NaN/Inf first at step 7; rank 5's local gradient went NaN/Inf first at step 7; "
+                               "ranks 0-1, 3-4, 6-7 followed at step 8 (the probe stopped there)")
+    assert len(outcome.details["events"]) == len(events)  # every event is kept
+
+
 # ----------------------------------------------------------------------------- stragglers
 
 
