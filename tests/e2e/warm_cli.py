@@ -21,6 +21,7 @@ Protocol, one JSON object a line: a request ``{"argv", "cwd", "env", "stdout", "
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -134,7 +135,8 @@ class WarmCommands:
             try:
                 code = self._reply(timeout)["returncode"]
             except subprocess.TimeoutExpired:
-                os.killpg(pid, signal.SIGKILL)  # the command and its workers: subprocess.run would leave the workers
+                with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                    os.killpg(pid, signal.SIGKILL)  # the command and its workers: subprocess.run would leave the workers
                 self._reply(60)
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
             return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
