@@ -313,9 +313,10 @@ def nonfinite_audit(events: Sequence[Mapping[str, Any]], world_size: int, sample
     first = [e for e in ordered if e["step"] == ordered[0]["step"]]
     ranks = sorted({e["rank"] for e in first})
     parts = [f"rank {e['rank']}'s {e['what']} went NaN/Inf first at step {e['step']}" for e in first]
-    followed: dict[int, set[int]] = {}
-    for e in ordered:
-        if e["rank"] not in ranks and not any(e["rank"] in r for r in followed.values()):
+    named, followed = set(ranks), dict[int, set[int]]()
+    for e in ordered:  # each other rank once, at its first step
+        if e["rank"] not in named:
+            named.add(e["rank"])
             followed.setdefault(e["step"], set()).add(e["rank"])
     parts += [f"{ranks_phrase(r)} followed at step {step}" for step, r in followed.items()]
     return AuditOutcome(False, "; ".join(parts) + " (the probe stopped there)", f"nonfinite {rank_span(ranks)}", tuple(ranks),

@@ -46,12 +46,11 @@ def run_command(argv: list[str], cwd: Path = REPO, timeout: float = 600, env: di
     ``HEALTHCHECK_TESTS_COLD=1`` is set: then ``subprocess.run`` itself, a fresh interpreter."""
     global _warm
     full_env = command_env(env)
-    if os.environ.get("HEALTHCHECK_TESTS_COLD") == "1":
-        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if _warm is None:
-        _warm = WarmCommands(full_env, REPO)
-    if _warm.takes(full_env):
-        return _warm.run(argv, cwd, timeout, full_env)
+    if os.environ.get("HEALTHCHECK_TESTS_COLD") != "1":
+        if _warm is None:
+            _warm = WarmCommands(full_env, REPO)
+        if _warm.takes(full_env):
+            return _warm.run(argv, cwd, timeout, full_env)
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
