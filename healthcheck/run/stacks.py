@@ -34,11 +34,14 @@ _FRAME_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<fu
 #: A frame of a Python traceback (``traceback.format_exception``), outermost first.
 _TRACEBACK_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.+)$')
 #: Frames in these files are the machinery between a caller and the wait, not the call site (wait_clock
-#: is healthcheck's transparent timer around a script's collectives).
-_MACHINERY = ("/torch/", "/multiprocessing/", "/threading.py", "/concurrent/", "/healthcheck/measure/wait_clock.py")
+#: is healthcheck's transparent timer around a script's collectives, clipping its recorder around the clip functions).
+_MACHINERY = ("/torch/", "/multiprocessing/", "/threading.py", "/concurrent/", "/healthcheck/measure/wait_clock.py",
+              "/healthcheck/integrations/script/clipping.py")
 _COLLECTIVES = ("/torch/distributed/", "/torch/nn/parallel/")
-# torch wraps its collectives in logging decorators; the collective is the frame they wrap.
-_WRAPPERS = {"wrapper", "inner", "_fn", "_exception_logger", "_time_logger", "decorate_context"}
+# torch wraps its collectives in logging decorators; the collective is the frame they wrap. ``__call__`` is an
+# operator's dispatch (``torch/_ops.py``): a DTensor's collective waits in ``wait_tensor`` under it, and a rank
+# clipping FSDP2's sharded gradients was said to wait "in __call__", as if outside any collective.
+_WRAPPERS = {"wrapper", "inner", "_fn", "_exception_logger", "_time_logger", "decorate_context", "__call__"}
 _armed: Optional[IO[str]] = None
 
 

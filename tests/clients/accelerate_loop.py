@@ -5,6 +5,10 @@ torchrun --nproc_per_node 4 -- accelerate_loop.py --model DIR --data JSON --step
 --comm-hook: accelerate's DistributedDataParallelKwargs(comm_hook=...) (fp16: torch's fp16_compress_hook, registered
 by accelerate right after it wraps the model); --comm-wrapper: its comm_wrapper (fp16: fp16_compress_wrapper around
 the hook); --power-sgd-start N: comm_state_option={"start_powerSGD_iter": N} (PowerSGD all-reduces exactly until then).
+--fsdp2: accelerate's FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2), fully_shard per decoder layer), as on a
+GPU host: accelerate keeps an FSDP plugin only for accelerator device types, so on a CPU the two fields it would set
+are set here, and everything after (prepare, accumulate, backward, clipping) is accelerate's own FSDP2 code.
+--clip N: accelerator.clip_grad_norm_(model.parameters(), N) before each update.
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
 rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
@@ -17,8 +21,8 @@ import json
 import os
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,6 +45,8 @@ def main():
     ap.add_argument("--comm-hook", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
     ap.add_argument("--comm-wrapper", default="no", choices=[hook.value for hook in DDPCommunicationHookType])
     ap.add_argument("--power-sgd-start", type=int, default=None)
+    ap.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 (fully_shard per decoder layer)")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this before each update")
     ap.add_argument("--stream", action="store_true",
                     help="the examples as an IterableDataset; dispatch_batches=False, so each rank keeps its slice of "
                          "every global batch (accelerate's IterableDatasetShard): dispatching needs equal-sized batches")
@@ -51,6 +57,10 @@ def main():
                                                comm_wrapper=DDPCommunicationHookType(args.comm_wrapper), comm_state_option=state)
     loading = DataLoaderConfiguration(dispatch_batches=False) if args.stream else DataLoaderConfiguration()
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs], dataloader_config=loading)
+    if args.fsdp2:
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+        accelerator.state.distributed_type = DistributedType.FSDP
     set_seed(1234)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -94,6 +104,8 @@ def main():
                 outputs = model(**batch)
                 loss = outputs.loss
                 accelerator.backward(loss)
+                if args.clip > 0 and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip)
                 optimizer.step()
                 optimizer.zero_grad()
             micro_losses.append(accelerator.gather(loss.detach()).mean().item())

@@ -172,19 +172,33 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     assert verdict["notes"][-1].endswith("the ranks cannot train past it, with --no-fail-fast either"), verdict["notes"]
 
 
-def test_a_rank_with_its_own_gradient_accumulation_is_named_before_the_ranks_hang(tiny_llama, tmp_path):  # noqa: F811
-    # Rank 1 accumulates 3 micro-batches where the others take 2, switching FSDP2's gradient sync off for all but the
-    # last (as torchtitan and accelerate do). At forward 2 the others reduce-scatter in their backward and rank 1
-    # does not: the ranks hung until distributed.timeout_s and the probe ended in exit 3. Now every rank stops there.
+@pytest.mark.parametrize(
+    ("script_args", "rank", "places"),
+    [
+        # Gradient sync off for all but the last micro-batch (torchtitan, the built-in probe): at forward 2 the others
+        # reduce-scatter in their backward and rank 1 does not.
+        (("--bug", "accum-rank=1"), 1, "ranks 0, 2-3 forward 2 (gradient sync on); rank 1 forward 2 (gradient sync off)"),
+        # A reduce-scatter per micro-batch (FSDP2's default, and accelerate's) and clipping: the others clip after
+        # their 2nd forward, and the norm of sharded gradients is an all-reduce, which rank 2's 3rd forward met with an
+        # all-gather (a hang until the clip compared where the ranks are too).
+        (("--sync-every-microbatch", "--clip", "1", "--bug", "accum-rank=2"), 2,
+         "ranks 0-1, 3 gradient clipping after 2 forwards; rank 2 forward 3 (gradient sync on)"),
+    ],
+    ids=["sync-off", "clip"],
+)
+def test_a_rank_with_its_own_gradient_accumulation_is_named_before_the_ranks_hang(tiny_llama, tmp_path, script_args, rank,  # noqa: F811
+                                                                                  places):
+    # Rank R accumulates 3 micro-batches where the others take 2: the ranks hung until distributed.timeout_s and the
+    # probe ended in exit 3. Now every rank stops where they first differ.
     out = tmp_path / "run"
     args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
-                      extra=("--set", "distributed.timeout_s=60"), script_args=("--accum", "2", "--bug", "accum-rank=1"))
+                      extra=("--set", "distributed.timeout_s=60"), script_args=("--accum", "2", *script_args))
     done = run_cli(*args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
-    message = "train.before_first_update differs: ranks 0, 2-3 forward 2 (gradient sync on); rank 1 forward 2 (gradient sync off)"
-    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True, "ranks": [1]}
-    assert failed_ranks(out) == {"audit.environment": [1]} and result["audits"]["environment"]["message"] == message
+    message = f"train.before_first_update differs: {places}"
+    assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True, "ranks": [rank]}
+    assert failed_ranks(out) == {"audit.environment": [rank]} and result["audits"]["environment"]["message"] == message
 
 
 def test_gradients_that_underflow_in_an_fp16_reduce_scatter_are_named(tiny_llama, tmp_path):  # noqa: F811

@@ -88,11 +88,16 @@ class Patches:
             setattr(owner, name, original)
 
 
+def _clipped(session: Any, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> None:
+    session.clips.observe(name, parameters, args, kwargs)
+    session.fsdp.at_clip(parameters)  # FSDP2: the clip's norm is a collective, so the ranks first compare where they are
+
+
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.loaders.on_fetch(iterator, indices)``, ``session.loaders.on_batch(iterator, batch)``,
-    ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and
-    ``session.clips.observe(...)``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
+    ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and ``session.clips.observe(...)`` with
+    ``session.fsdp.at_clip(parameters)``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
     ``session.on_scaler_step(optimizer)``."""
     import random
 
@@ -198,7 +203,7 @@ def install(session: Any) -> Patches:
             patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", seen_by(lambda it, indices: session.loaders.on_fetch(it, indices)))
         patches.wrap(dataloader._BaseDataLoaderIter, "__next__", seen_by(lambda it, batch: session.loaders.on_batch(it, batch)))
-        clipping.patch(patches, lambda *call: session.clips.observe(*call))
+        clipping.patch(patches, lambda *call: _clipped(session, *call))
         step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
         patches.wrap(numpy.random, "seed", seeds.seeding("numpy", lambda: session.seeds))

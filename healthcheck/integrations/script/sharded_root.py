@@ -5,8 +5,9 @@ unless it sits inside the current root (a block sharded after its parent). Until
 candidate takes over the loss capture and the forward pre-hooks from the previous one. At the root's first
 forward the ranks first compare how they shard (:mod:`.shard_agreement`, ahead of FSDP2's own pre-forward hook,
 whose all-gather a disagreement breaks); at its first training forward every sharded module must lie inside it.
-Until the first update, every root forward and that update also compare where each rank is (a rank with its own
-gradient accumulation would all-gather while the others reduce-scatter or step).
+Until the first update, every root forward, each clip of the root's gradients and that update also compare where
+each rank is (a rank with its own gradient accumulation would all-gather while the others reduce-scatter, clip or
+step).
 """
 
 from __future__ import annotations
@@ -79,15 +80,26 @@ class ShardedRoot:
                 self._on_disagreement(module, outcome)
                 return
         self.forwards += 1
-        self._compare(module, stepping=False)
+        self._compare(module)
+
+    def at_clip(self, parameters: list[Any]) -> None:
+        """A clip before the first update. Of the root's gradients it is a collective under FSDP2 (the norm is
+        all-reduced over the shards), which a rank still at a forward (its own gradient accumulation, with a
+        reduce-scatter per micro-batch: the Trainer's and accelerate's FSDP2 default) would meet with an
+        all-gather: the ranks hung until ``distributed.timeout_s``. So they compare where they are first."""
+        if not self.started or self._updated or self.root is None:
+            return
+        owned = {id(p) for p in self.root.parameters()}
+        if any(id(p) in owned for p in parameters):
+            self._compare(self.root, at="clip")
 
     def at_first_update(self) -> None:
         """The first optimizer step (a collective): the ranks compare where they are a last time."""
         self._updated = True
-        self._compare(self.root, stepping=True)
+        self._compare(self.root, at="step")
 
-    def _compare(self, module: Any, *, stepping: bool) -> None:
-        self.fact = lockstep_fact(module, forwards=self.forwards, stepping=stepping)
+    def _compare(self, module: Any, *, at: str = "forward") -> None:
+        self.fact = lockstep_fact(module, forwards=self.forwards, at=at)
         outcome = check_lockstep(self.fact)  # collective, at the same place on every rank until one differs
         if not outcome.passed:
             self.started = True

@@ -82,3 +82,29 @@ def test_a_sharded_module_outside_the_trained_root_is_bad_input(monkeypatch):
     with pytest.raises(InvalidInput, match="Linear is not inside Sequential"):
         model(torch.ones(1, 2))
     assert calls.training == []
+
+
+def test_a_clip_of_the_roots_gradients_before_the_first_update_compares_where_the_ranks_are(monkeypatch):
+    # Under FSDP2 the clip's norm is an all-reduce over the shards. A rank with its own gradient accumulation and a
+    # reduce-scatter per micro-batch (the Trainer's FSDP2 default) was still at a forward, all-gathering against it,
+    # and the ranks hung until distributed.timeout_s.
+    behind = lambda fact: DIFFER if fact.startswith("gradient clipping") else AGREE  # noqa: E731
+    calls, model, other = Calls(monkeypatch, AGREE, lockstep=behind), _model(), torch.nn.Linear(2, 2)
+    calls.root.add(model)
+    calls.root.at_clip(list(model.parameters()))  # before training started: nothing to compare
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    calls.root.at_clip(list(other.parameters()))  # not the root's gradients: no collective of FSDP2's
+    assert calls.disagreed == []
+    calls.root.at_clip(list(model.parameters()))
+    assert calls.disagreed == [(model, DIFFER)] and calls.root.fact == "gradient clipping after 2 forwards"
+
+
+def test_clips_are_compared_until_the_first_update_only(monkeypatch):
+    calls, model = Calls(monkeypatch, AGREE), _model()
+    calls.root.add(model)
+    model(torch.ones(1, 2))
+    calls.root.at_clip(list(model.parameters()))
+    calls.root.at_first_update()
+    calls.root.at_clip(list(model.parameters()))
+    assert calls.facts == ["forward 1 (gradient sync on)", "gradient clipping after 1 forward", "optimizer step after 1 forward"]

@@ -105,3 +105,19 @@ def test_a_source_tree_file_is_named_from_its_top_package(tmp_path):
         (folder / "__init__.py").write_text("")
     assert stacks.short_path(str(inner / "mod.py")) == "pkg/sub/mod.py"
     assert stacks.short_path(str(tmp_path / "repo" / "train.py")) == "train.py"
+
+
+def test_a_rank_in_a_dtensor_collective_waits_in_a_collective():
+    # FSDP2's clip_grad_norm_ all-reduces the norm of sharded gradients through DTensor; the dump's innermost frame is
+    # the operator's dispatch, and healthcheck's clip recorder sits between the script and torch.
+    site = "/v/site-packages/"
+    clipping = _dump((site + "torch/_ops.py", 1279, "__call__"),
+                     (site + "torch/distributed/_functional_collectives.py", 142, "wait_tensor"),
+                     (site + "torch/distributed/tensor/_redistribute.py", 1640, "redistribute_local_tensor"),
+                     (site + "torch/nn/utils/clip_grad.py", 230, "clip_grad_norm_"),
+                     ("/w/healthcheck/integrations/script/clipping.py", 82, "clip"),
+                     ("/w/a/train.py", 211, "main"))
+    forward = _dump((C10D, 4287, "all_gather"), ("/w/a/train.py", 197, "main"))
+    line = stacks.describe({0: clipping, 1: clipping, 2: forward, 3: clipping})
+    assert line == ("collective mismatch: ranks 0-1, 3 wait in wait_tensor, called from train.py:211 (main); "
+                    "rank 2 waits in all_gather, called from train.py:197 (main)")

@@ -1,0 +1,96 @@
+"""FSDP2 through accelerate and ``transformers.Trainer``: their own sharding, accumulation and clipping, probed unmodified.
+
+accelerate keeps an FSDP plugin only for accelerator device types; on a CPU it drops it and trains DDP. The clients
+(``tests/clients/hf_trainer.py --fsdp2``, ``tests/clients/accelerate_loop.py --fsdp2``) set the two fields accelerate
+sets on a GPU host, so what runs is accelerate's and the Trainer's own FSDP2 code over gloo: ``prepare``'s
+``fully_shard`` per decoder layer, gradient accumulation with a reduce-scatter every micro-batch (FSDP2 modules
+have no ``no_sync``), and ``clip_grad_norm_`` on DTensors. The same clients without ``--fsdp2`` train the same loop
+under DDP, rank by rank and step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.e2e.conftest import failed_ranks, read_rows, run_cli
+from tests.e2e.test_script_mode import DATA, probe_args, tiny_llama  # noqa: F401 (tiny_llama is a fixture)
+
+STEPS = 3
+pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not beside this checkout")
+#: The Trainer clips at its default max_grad_norm=1; the accelerate loop clips when asked.
+CLIP = {"hf_trainer": (), "accelerate_loop": ("--clip", "1")}
+
+
+@pytest.fixture(scope="module", params=sorted(CLIP))
+def pair(request, tiny_llama, tmp_path_factory):  # noqa: F811
+    client, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    runs = {}
+    for name, flags in (("ddp", ()), ("fsdp2", ("--fsdp2",))):
+        out, log = tmp / name, tmp / f"{name}-loss.jsonl"
+        done = run_cli(*probe_args(client, out, tiny_llama, log, steps=STEPS, script_args=(*flags, *CLIP[client])))
+        runs[name] = (out, log, done)
+    return client, runs
+
+
+def _by_step_rank(out) -> dict[tuple[int, int], dict]:
+    return {(row["step"], row["rank"]): row for row in read_rows(out / "steps.jsonl")}
+
+
+def test_the_fsdp2_run_passes_its_audits_and_measures_what_the_same_loop_under_ddp_does(pair):
+    client, runs = pair
+    for name, (out, _, done) in runs.items():
+        assert done.returncode == 0, f"{client} {name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        result = json.loads((out / "result.json").read_text())
+        assert result["status"] == "complete" and result["steps_completed"] == STEPS and result["loss_note"] is None
+        assert all(entry["passed"] for entry in result["audits"].values()), {k: v["message"] for k, v in result["audits"].items()}
+    out, log, _ = runs["fsdp2"]
+    result = json.loads((out / "result.json").read_text())
+    assert {rank["gradient_source"] for rank in result["environment"]["ranks"]} == {"reduce_scatter"}
+    audits = result["audits"]
+    assert audits["sharded_state"]["measured"] and not audits["param_equality"]["measured"]
+    facts = audits["environment"]["facts"]
+    assert facts["clip"] == "clip_grad_norm_ max_norm=1 norm_type=2" and facts["fsdp.reshard_after_forward"], facts
+    # The same micro-batches, so the same losses; FSDP2's reduce-scatter per micro-batch leaves the norms and
+    # cosines to the sketches (the sum of the micro-batches' sketches), within their bound of the DDP run's.
+    fsdp, ddp = _by_step_rank(out), _by_step_rank(runs["ddp"][0])
+    assert set(fsdp) == set(ddp) == {(s, r) for s in range(STEPS) for r in range(4)}
+    bound = 4 * math.sqrt(2 / 4096)
+    for key, row in fsdp.items():
+        assert row["loss"] == pytest.approx(ddp[key]["loss"], rel=1e-6), key
+        assert row["grad_norm"] == pytest.approx(ddp[key]["grad_norm"], rel=bound), key
+        assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=2 * bound), key
+    # And the framework logs the same training loss under both.
+    logged = [row["loss"] for row in read_rows(log)]
+    assert logged and logged == pytest.approx([row["loss"] for row in read_rows(runs["ddp"][1])], rel=1e-5)
+
+
+def _stopped(client: str, tmp_path, tiny_llama, *script_args: str) -> dict:  # noqa: F811
+    out = tmp_path / "run"
+    done = run_cli(*probe_args(client, out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               extra=("--set", "distributed.timeout_s=60"), script_args=("--fsdp2", *script_args)))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps_completed"] == 0 and result["failure"] is None
+    assert failed_ranks(out) == {"audit.environment": result["stopped_early"]["ranks"]}
+    return result["stopped_early"]
+
+
+def test_a_trainer_rank_that_shards_in_bf16_is_named_before_the_first_all_gather(tiny_llama, tmp_path):  # noqa: F811
+    # TrainingArguments(bf16=True) on one rank: accelerate's FSDP2 plugin takes it as MixedPrecisionPolicy(param_dtype=
+    # bfloat16), so that rank all-gathers half the bytes of the others.
+    stopped = _stopped("hf_trainer", tmp_path, tiny_llama, "--bf16-rank", "1")
+    assert stopped["step"] == 0 and stopped["check"] == "environment" and stopped["ranks"] == [1], stopped
+    assert "fsdp.param_dtype differs: ranks 0, 2-3 None; rank 1 torch.bfloat16" in stopped["message"], stopped
+
+
+def test_a_trainer_rank_with_its_own_accumulation_is_named_at_the_clip_instead_of_hanging(tiny_llama, tmp_path):  # noqa: F811
+    # gradient_accumulation_steps 4 on rank 2, 2 elsewhere. The others clip after their 2nd reduce-scatter (the norm of
+    # sharded gradients is an all-reduce) while rank 2 runs its 3rd forward: the probe ended in exit 3 after
+    # distributed.timeout_s (300 s by default), the stacks saying only where each rank waited.
+    stopped = _stopped("hf_trainer", tmp_path, tiny_llama, "--accum-rank", "2")
+    assert stopped == {"step": 0, "check": "environment", "unavoidable": True, "ranks": [2],
+                       "message": "train.before_first_update differs: ranks 0-1, 3 gradient clipping after 2 forwards; "
+                                  "rank 2 forward 3 (gradient sync on)"}, stopped
