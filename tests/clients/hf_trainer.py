@@ -14,45 +14,29 @@ the Trainer then wraps a `PeftModel`, which is no `PreTrainedModel`, so DDP gets
 per-node launch config that switches it on would.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
 forward hook the Trainer registers), as a per-node launch config that switches it on would.
+`--override R:KEY=VALUE` (repeatable): rank R's `TrainingArguments.KEY` is VALUE, a per-node config (`1:max_grad_norm=0.5`).
 `--fsdp2`: `TrainingArguments(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, ...})`, the Trainer's FSDP2 path
 (accelerate's `fully_shard` per decoder layer, its DTensor gradient clipping and sharded optimizer), as on a GPU host:
-see `ForcedFsdpTrainer`.
+see `cpu_fsdp.py`.
 (`--` before the script: torchrun's own argparse would otherwise reject `--log` as an ambiguous abbreviation of
 its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appends each logged per-step "loss"
 (logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
 """
 
 import argparse
+import ast
 import json
 import os
 import tempfile
 
 import torch
+from cpu_fsdp import FSDP2_ARGS, FsdpOnCpu
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 
-class ForcedFsdpTrainer(Trainer):
-    """The Trainer with its FSDP plugin kept on a CPU host.
-
-    accelerate turns FSDP on only for accelerator device types (`AcceleratorState` drops the plugin under
-    `MULTI_CPU`, and the Trainer then wraps DDP). This sets the two fields it would have set on a GPU host, so
-    everything after (`prepare`'s `fsdp2_prepare_model`, clipping, the optimizer) is accelerate's and the Trainer's
-    own FSDP2 code, running over gloo.
-    """
-
-    def create_accelerator_and_postprocess(self):
-        from accelerate import FullyShardedDataParallelPlugin
-        from accelerate.utils import DistributedType
-
-        super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        if state.mixed_precision != "no":  # as AcceleratorState does where it keeps the plugin
-            plugin.set_mixed_precision(state.mixed_precision)
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
-        self.is_fsdp_enabled = True
+class FsdpTrainer(FsdpOnCpu, Trainer):
+    pass
 
 
 def alpaca_prompt(row):
@@ -101,6 +85,8 @@ def main(output_dir: str):
     ap.add_argument("--stream", choices=["no", "dispatch", "shard"], default="no",
                     help="datasets' to_iterable_dataset(): accelerate's default for it (rank 0 reads and dispatches every "
                          "rank's batch) or dispatch_batches=False (each rank skips to its own)")
+    ap.add_argument("--override", action="append", default=[], metavar="R:KEY=VALUE",
+                    help="rank R's TrainingArguments KEY is VALUE (a Python literal, else the string): a per-node config")
     ap.add_argument("--fsdp2", action="store_true", help="the Trainer's FSDP2 path (fully_shard per decoder layer)")
     ap.add_argument("--lora-alpha-rank", type=int, default=-1, help="with --lora: this rank scales its adapters twice as much")
     args = ap.parse_args()
@@ -162,10 +148,18 @@ def main(output_dir: str):
         neftune_noise_alpha=5.0 if int(os.environ.get("RANK", 0)) == args.neftune_rank else None,
         bf16=int(os.environ.get("RANK", 0)) == args.bf16_rank,
         **({"accelerator_config": {"dispatch_batches": False}} if args.stream == "shard" else {}),
-        **({"fsdp": "full_shard auto_wrap",
-            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}} if args.fsdp2 else {}),
+        **(FSDP2_ARGS if args.fsdp2 else {}),
     )
-    trainer = (ForcedFsdpTrainer if args.fsdp2 else Trainer)(model=model, args=targs, train_dataset=ds, data_collator=collate)
+    for override in args.override:
+        rank, setting = override.split(":", 1)
+        key, value = setting.split("=", 1)
+        if int(rank) == int(os.environ.get("RANK", 0)):
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+            setattr(targs, key, value)
+    trainer = (FsdpTrainer if args.fsdp2 else Trainer)(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 

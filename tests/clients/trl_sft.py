@@ -7,6 +7,8 @@ per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is log
 
 ``--packing``: ``SFTConfig(packing=True)`` (TRL packs the examples into sequences of ``max_length``).
 ``--lora R``: TRL's own LoRA path, ``SFTTrainer(peft_config=LoraConfig(r=R, ...))`` on the attention projections.
+``--fsdp2``: ``SFTConfig(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, ...})``, TRL on accelerate's FSDP2 as
+on a GPU host (``cpu_fsdp.py``).
 
 ``--loss-scale-rank R`` reproduces a per-node loss tweak for healthcheck's detection tests: rank R's trainer
 multiplies TRL's loss by 1.5 in its ``compute_loss`` (TRL divides by a token count over every rank, so the
@@ -18,6 +20,7 @@ import json
 import os
 import tempfile
 
+from cpu_fsdp import FSDP2_ARGS, FsdpOnCpu
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
@@ -63,6 +66,7 @@ def main(output_dir: str):
     ap.add_argument("--loss-scale-rank", type=int, default=-1)
     ap.add_argument("--packing", action="store_true", help="SFTConfig(packing=True)")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank through SFTTrainer(peft_config=...)")
+    ap.add_argument("--fsdp2", action="store_true", help="TRL on accelerate's FSDP2 (fully_shard per decoder layer)")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -88,6 +92,7 @@ def main(output_dir: str):
         disable_tqdm=True,
         seed=1234,
         dataloader_num_workers=0,
+        **(FSDP2_ARGS if args.fsdp2 else {}),
     )
     scaled = int(os.environ.get("RANK", "0")) == args.loss_scale_rank
     peft = {}
@@ -96,7 +101,9 @@ def main(output_dir: str):
 
         peft["peft_config"] = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, task_type="CAUSAL_LM",
                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    trainer = (ScaledLossTrainer if scaled else SFTTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok, **peft)
+    base = ScaledLossTrainer if scaled else SFTTrainer
+    trainer_class = type(f"Fsdp{base.__name__}", (FsdpOnCpu, base), {}) if args.fsdp2 else base
+    trainer = trainer_class(model=model, args=cfg, train_dataset=ds, processing_class=tok, **peft)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 

@@ -1,8 +1,9 @@
-"""FSDP2 through accelerate and ``transformers.Trainer``: their own sharding, accumulation and clipping, probed unmodified.
+"""FSDP2 through accelerate, ``transformers.Trainer`` and TRL: their own sharding, accumulation and clipping, probed
+unmodified.
 
-accelerate keeps an FSDP plugin only for accelerator device types; on a CPU it drops it and trains DDP. The clients
-(``tests/clients/hf_trainer.py --fsdp2``, ``tests/clients/accelerate_loop.py --fsdp2``) set the two fields accelerate
-sets on a GPU host, so what runs is accelerate's and the Trainer's own FSDP2 code over gloo: ``prepare``'s
+accelerate keeps an FSDP plugin only for accelerator device types; on a CPU it drops it and trains DDP. The clients'
+``--fsdp2`` (``tests/clients/cpu_fsdp.py`` for the Trainer and TRL, two lines in ``accelerate_loop.py``) sets the two
+fields accelerate sets on a GPU host, so what runs is accelerate's and the Trainer's own FSDP2 code over gloo: ``prepare``'s
 ``fully_shard`` per decoder layer, gradient accumulation with a reduce-scatter every micro-batch (FSDP2 modules
 have no ``no_sync``), and ``clip_grad_norm_`` on DTensors. The same clients without ``--fsdp2`` train the same loop
 under DDP, rank by rank and step by step.
@@ -94,3 +95,16 @@ def test_a_trainer_rank_with_its_own_accumulation_is_named_at_the_clip_instead_o
     assert stopped == {"step": 0, "check": "environment", "unavoidable": True, "ranks": [2],
                        "message": "train.before_first_update differs: ranks 0-1, 3 gradient clipping after 2 forwards; "
                                   "rank 2 forward 3 (gradient sync on)"}, stopped
+
+
+def test_trl_on_fsdp2_names_a_rank_that_scales_its_loss(tiny_llama, tmp_path):  # noqa: F811
+    # TRL's SFTTrainer on the same FSDP2 path; rank 0's compute_loss multiplies TRL's loss by 1.5 (a per-node branch).
+    # SFTConfig's bf16 default is autocast under DDP and accelerate's MixedPrecisionPolicy under FSDP2.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("trl_sft", out, tiny_llama, tmp_path / "loss.jsonl", steps=6,
+                               script_args=("--fsdp2", "--loss-scale-rank", "0")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_early"]["check"] == "loss_weight" and failed_ranks(out) == {"audit.loss_weight": [0]}, result["stopped_early"]
+    assert "rank 0's loss enters its backward with 1.5x the weight per token of ranks 1-3's" in result["stopped_early"]["message"]
+    assert "param_dtype=torch.bfloat16" in result["audits"]["environment"]["facts"]["fsdp.mp_policy"]
