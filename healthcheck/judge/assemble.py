@@ -215,17 +215,12 @@ def replay_outcome(
     settings_differ: Sequence[int] = (),
     hooks_differ: Optional[AuditOutcome] = None,
 ) -> AuditOutcome:
-    """The replay audit, or why it was not measured (switched off, FSDP2, a script whose model gives no loss);
+    """The replay audit, or why it was not measured (switched off, a script whose model gives no loss);
     ``settings_differ`` and ``hooks_differ`` explain a difference (:func:`replay_audit`)."""
     if config.metrics.replay_every == 0:
         return not_measured("metrics.replay_every is 0")
     if evidence is not None and evidence.unavailable:
         return not_measured(evidence.unavailable)
-    if config.distributed.strategy == "fsdp":
-        return not_measured(
-            "parameters are sharded (FSDP2): no rank holds the whole model to replay a micro-batch on its own; "
-            "sharded_state checks what every rank must share"
-        )
     if evidence is None:
         return not_measured("the workers recorded no replay")
     return replay_audit(evidence, settings_differ, hooks_differ)

@@ -46,9 +46,10 @@ collectives, and without that column it passed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from healthcheck.errors import InvalidInput
 from healthcheck.measure import distributed, fsdp_internals, lateness
@@ -126,6 +127,7 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             dims=[d for p in model.parameters() for d in p.shape],
         )
         self.every_microbatch = bool(reduce_scatter_every_microbatch)
+        self._replay_local: Optional[Callable[[int, Any], None]] = None  #: set while a replay runs (:meth:`replaying`)
         self._groups = len(groups)
         self._calls: dict[int, int] = {}
         self._gram: dict[int, Any] = {}  # exact: this shard's W x W Gram part, per group
@@ -219,7 +221,24 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
 
     # ----------------------------------------------------------------------- the comm
 
+    @contextlib.contextmanager
+    def replaying(self, on_local: Callable[[int, Any], None]) -> Iterator[None]:
+        """A replay's backward (:mod:`healthcheck.measure.sharded_replay`): each group's local gradient goes to
+        ``on_local(group index, local)`` and on to FSDP2's reduce-scatter, measured by nothing; the waits timed
+        meanwhile are dropped, so the next step's blame and busy time hold only training's collectives."""
+        saved = len(self._waits), len(self._replica_waits), self._other_wait_ms
+        self._replay_local = on_local
+        try:
+            yield
+        finally:
+            self._replay_local = None
+            del self._waits[saved[0] :], self._replica_waits[saved[1] :]
+            self._other_wait_ms = saved[2]
+
     def _on_reduce_scatter(self, comm: Any, output: Any, local: Any, group: Any, op: Any) -> Any:
+        if self._replay_local is not None:
+            self._replay_local(comm.index, local)
+            return comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)
         if not self._sampling():
             return comm.inner(output_tensor=output, input_tensor=local, group=group, op=op)
         import torch

@@ -208,7 +208,7 @@ class ReplayTable:
 class LocalReplay:
     """This rank's replay gradient (kept until the round is judged) and its device-side fingerprint."""
 
-    grads: list[Any]
+    grads: Any  #: the gradient tensors; under FSDP2 what computes them again (:mod:`.sharded_replay`)
     fingerprint: Any
     seconds: float
 
@@ -234,6 +234,8 @@ class GradientReplay:
         seed: The probe's global seed (source rank and dropout seed derive from it and the step).
         sketch_dim: Folded-sketch size for the tolerance mode's distances (0: no sketch, bitwise mode).
     """
+
+    collective = False  #: a replay needs no other rank (the comparisons do); FSDP2's does (:mod:`.sharded_replay`)
 
     def __init__(
         self, module: Any, loss_of: Callable[[Callable[..., Any], Mapping[str, Any]], Any], *, device: Any, seed: int, sketch_dim: int = 0
@@ -262,6 +264,10 @@ class GradientReplay:
         parameters = dict(self.module.named_parameters())
         fingerprint = pack_fingerprint(grads, [parameters[n] for n in self.names], loss, self.sketcher)
         return LocalReplay(grads=grads, fingerprint=fingerprint, seconds=time.perf_counter() - start)
+
+    def spread(self, again: LocalReplay, first: LocalReplay) -> float:
+        """How far a second replay on this rank came from the first: ‖g_again − g_first‖ / ‖g_first‖."""
+        return relative_l2(again.grads, first.grads)
 
     def gather(self, local: LocalReplay) -> ReplayTable:
         """Collective: every rank's fingerprint (one all-gather, one host sync)."""

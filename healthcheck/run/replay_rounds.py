@@ -20,30 +20,33 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 from healthcheck.artifacts import ReplayDifference, ReplayEvidence, ReplayRound
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks
 from healthcheck.judge.replay_audit import ReplaySplit, replay_audit, replay_tolerance, split_replays, tolerance_labels
-from healthcheck.measure.replay import GradientReplay, LocalReplay, ReplayTable, relative_l2
+from healthcheck.measure.replay import GradientReplay, LocalReplay, ReplayTable
 
 #: Folded-sketch size for the tolerance mode's distances (relative error ~sqrt(2/1024) = 4%).
 REPLAY_SKETCH_DIM = 1024
 
 
 def build_rounds(
-    config: Any, module: Any, loss_of: Callable[[Callable[..., Any], Mapping[str, Any]], Any], device: Any, device_names: Sequence[str]
+    config: Any, module: Any, loss_of: Callable[[Callable[..., Any], Mapping[str, Any]], Any], device: Any, device_names: Sequence[str],
+    monitor: Any = None,
 ) -> Optional[ReplayRounds]:
-    """This rank's replay rounds for ``module`` (the trained module, not its DDP wrapper), or None when
-    ``metrics.replay_every`` is 0. ``loss_of(call, batch)`` is the loss the replay differentiates."""
+    """This rank's replay rounds for ``module`` (the trained module, not its DDP wrapper; an FSDP2 root, with its
+    ``monitor``), or None when ``metrics.replay_every`` is 0. ``loss_of(call, batch)`` is the loss the replay
+    differentiates."""
     if config.metrics.replay_every == 0:
         return None
     from healthcheck.measure.environment import replay_determinism
+    from healthcheck.measure.fsdp_internals import is_fsdp_module
     from healthcheck.measure.replay import GradientReplay
+    from healthcheck.measure.sharded_replay import ShardedGradientReplay
 
     mode, reason = replay_determinism(device)
-    replay = GradientReplay(
-        module,
-        loss_of,
-        device=device,
-        seed=config.train.seed,  # the global seed: the same batch choice and dropout masks on every rank
-        sketch_dim=REPLAY_SKETCH_DIM if mode == "tolerance" else 0,
-    )
+    # The global seed: the same batch choice and dropout masks on every rank.
+    settings = {"device": device, "seed": config.train.seed, "sketch_dim": REPLAY_SKETCH_DIM if mode == "tolerance" else 0}
+    if is_fsdp_module(module):
+        replay: GradientReplay = ShardedGradientReplay(module, monitor, loss_of, **settings)
+    else:
+        replay = GradientReplay(module, loss_of, **settings)
     return ReplayRounds(replay, every=config.metrics.replay_every, device_names=device_names, mode=mode, mode_reason=reason)
 
 
@@ -107,7 +110,7 @@ class ReplayRounds:
     def _measure_tolerance(self, step: int, batch: Mapping[str, Any], first: LocalReplay) -> None:
         """Collective: replay once more on every rank; the spread between the two sets the tolerance."""
         again = self.replay.local(step, batch)
-        spreads = self.replay.gather_floats(relative_l2(again.grads, first.grads))
+        spreads = self.replay.gather_floats(self.replay.spread(again, first))
         self.evidence.repeat_spread = spreads
         self.evidence.tolerance = replay_tolerance(spreads)
 
@@ -115,8 +118,10 @@ class ReplayRounds:
         """Collective: exact differences of the odd ranks, and of their second replay, from their references."""
         references = sorted(set(split.references.values()))
         measured = {ref: self.replay.compare_to(first.grads, ref) for ref in references}
-        # The second replay runs on the odd ranks only; the others hand in their first gradient again.
-        repeat = self.replay.local(step, batch).grads if self.replay.rank in split.references else first.grads
+        if self.replay.collective:  # FSDP2: each comparison replays again on every rank, so this one is the third
+            repeat = first.grads
+        else:  # the second replay runs on the odd ranks only; the others hand in their first gradient again
+            repeat = self.replay.local(step, batch).grads if self.replay.rank in split.references else first.grads
         repeated = {ref: self.replay.compare_to(repeat, ref) for ref in references}
         out = []
         for rank, ref in sorted(split.references.items()):

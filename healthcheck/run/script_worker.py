@@ -211,12 +211,12 @@ def _ended_early(done: int, planned: int, how: str, built_ddp: bool, skipped: in
 _SKIPS_NAMED = 8
 
 
-def _build_rounds(config: ProbeConfig, module: Any, loss_of: Any, device: Any, names: Any) -> Any:
+def _build_rounds(config: ProbeConfig, module: Any, loss_of: Any, device: Any, names: Any, monitor: Any) -> Any:
     # Imported here: the replay pulls in torch, and the CLI imports this module to check a config (a bad
     # one must fail in a fraction of a second, before torch loads); the launcher imports torch before forking.
     from healthcheck.run.replay_rounds import build_rounds
 
-    return build_rounds(config, module, loss_of, device, names)
+    return build_rounds(config, module, loss_of, device, names, monitor)
 
 
 def script_target_error(path: Optional[str], module: Optional[str] = None) -> Optional[str]:

@@ -92,20 +92,22 @@ def start_checks(
 
 
 #: Tolerance mode's sketch size: the distance estimates' relative error is about sqrt(2/p) / 2 (~2%).
-def replay_rounds(config: ProbeConfig, rank_config: ProbeConfig, model: Any, device: Any, ranks: list[RankInfo]) -> Optional[ReplayRounds]:
-    """The replay audit's rounds on this rank; None when ``metrics.replay_every`` is 0 or under FSDP2.
+def replay_rounds(
+    config: ProbeConfig, rank_config: ProbeConfig, model: Any, device: Any, ranks: list[RankInfo], monitor: Any
+) -> Optional[ReplayRounds]:
+    """The replay audit's rounds on this rank; None when ``metrics.replay_every`` is 0.
 
-    Under FSDP2 each rank holds a shard of every parameter (a DTensor), so a rank cannot compute a whole
-    gradient on its own; the audit then reports why it was not measured.
+    Under FSDP2 (``model`` is then the root, sharded in place) no rank holds a whole gradient: every rank replays
+    together through the sharded model, and ``monitor`` hands over each group's local gradient
+    (:mod:`healthcheck.measure.sharded_replay`).
     """
-    if config.distributed.strategy != "ddp":
-        return None
     # Imported here: the replay imports torch, and importing the probe must not (``config show`` stays fast).
     from healthcheck.run.replay_rounds import build_rounds
 
     precision = rank_config.train.precision
     return build_rounds(
-        config, model, lambda call, batch: replay_loss(call, batch, device, precision), device, [info.device_name for info in ranks]
+        config, model, lambda call, batch: replay_loss(call, batch, device, precision), device, [info.device_name for info in ranks],
+        monitor,
     )
 
 
@@ -250,7 +252,7 @@ def _train(
             pre_shard=pre_shard,
         )
         audit.watch_optimizer(optimizer)
-        replay = replay_rounds(config, rank_config, model, device, all_ranks)
+        replay = replay_rounds(config, rank_config, model, device, all_ranks, monitor)
         audit.replay = replay.evidence if replay is not None else None
         audit.record_rng("rng_start", device)
         # The shard plan is the *global* config's, whatever this rank's data override says (every rank

@@ -286,3 +286,20 @@ def test_an_fsdp1_script_is_refused_on_one_line_before_it_shards(tiny_llama, tmp
     errors = [line for line in done.stderr.splitlines() if line.startswith("healthcheck: error:")]
     assert len(errors) == 1 and "FullyShardedDataParallel (FSDP1)" in errors[0] and "fsdp_version: 2" in errors[0], done.stderr
     assert not (tmp_path / "loss.jsonl").exists()  # refused before the first step the script logs
+
+
+def test_a_bad_device_under_fsdp2_is_named_by_the_replay(tiny_llama, tmp_path):  # noqa: F811
+    # Rank 1's matmuls are off by 1e-3 from step 2. Every rank replays the same micro-batch through the sharded model
+    # (FSDP2 all-gathers as in training) and fingerprints each group's unsharded local gradient in the reduce-scatter.
+    # Before, the replay was "not measured" under FSDP2, and this fault passed every check.
+    out = tmp_path / "run"
+    fault = "rank_overrides={1: {faults: {matmul_error: 0.001, matmul_error_from_step: 2}}}"
+    done = run_cli(*probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               extra=("--set", "metrics.replay_every=2", "--set", fault), script_args=("--accum", "2")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    replay = result["audits"]["replay"]
+    assert failed_ranks(out) == {"audit.replay": [1]} and replay["replay_steps"] == [0, 2], replay
+    assert replay["message"].startswith("rank 1 computed a different gradient at step 2"), replay["message"]
+    assert "reproduced on a second replay (persistent) [bitwise]: drain the node" in replay["message"], replay["message"]
+    assert result["stopped_early"]["check"] == "replay" and result["stopped_early"]["step"] == 2

@@ -108,3 +108,18 @@ def test_trl_on_fsdp2_names_a_rank_that_scales_its_loss(tiny_llama, tmp_path):  
     assert result["stopped_early"]["check"] == "loss_weight" and failed_ranks(out) == {"audit.loss_weight": [0]}, result["stopped_early"]
     assert "rank 0's loss enters its backward with 1.5x the weight per token of ranks 1-3's" in result["stopped_early"]["message"]
     assert "param_dtype=torch.bfloat16" in result["audits"]["environment"]["facts"]["fsdp.mp_policy"]
+
+
+def test_a_trainer_rank_with_neftune_on_fsdp2_is_named_by_the_replay_for_its_hook(tiny_llama, tmp_path):  # noqa: F811
+    # neftune_noise_alpha on rank 2 alone adds noise to its input embeddings through a forward hook. Nothing replicated
+    # differs under FSDP2 and the replay was not measured there: the probe passed. Every rank now replays one
+    # micro-batch through the sharded model; rank 2's hook makes its gradient differ, and the message sends the
+    # reader to the hook, not to the device.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               script_args=("--fsdp2", "--neftune-rank", "2")))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert failed_ranks(out) == {"audit.replay": [2]}
+    message = json.loads((out / "result.json").read_text())["audits"]["replay"]["message"]
+    assert "rank 2 computed a different gradient at step 0" in message and "neftune_post_forward_hook" in message, message
+    assert "drain the node" not in message, message

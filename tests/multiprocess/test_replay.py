@@ -1,15 +1,18 @@
 """The replay audit on real gloo ranks: it leaves training bit for bit unchanged, and it names a bad device.
 
-Four ranks fine-tune the probe's tiny GPT-2 under DDP with the trainer's own step. Three runs from the same
+Four ranks fine-tune the probe's tiny GPT-2 with the trainer's own step, under DDP and under FSDP2 (where every rank
+replays together through the sharded model, :mod:`healthcheck.measure.sharded_replay`). Three runs from the same
 seed: without replay, with a replay every 2 steps, and with a replay every 2 steps while rank 2's matmuls
 are off by 1e-3 from step 2 (the ``bad-device`` fault). The first two must end with bit-identical
-parameters, losses and RNG state; the third must name rank 2, and only from step 2.
+parameters, losses and RNG state; the third must name rank 2, and only from step 2. Under FSDP2 the faulty run is
+judged in tolerance mode too (a GPU's default), from the replays' sketches.
 
     python -m pytest tests/multiprocess/test_replay.py -q
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import random
@@ -21,6 +24,7 @@ import torch
 from healthcheck.artifacts import RankInfo
 from healthcheck.config import load_config, resolve_for_rank
 from healthcheck.measure import distributed
+from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
 from healthcheck.run.data import MicroBatches, prepare_samples, shard_plan
 from healthcheck.run.faults import install_faults
@@ -43,9 +47,10 @@ def _digest(*arrays: bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def _train(replay_every: int, fault: bool) -> dict:
+def _train(replay_every: int, fault: bool, strategy: str) -> dict:
     rank = distributed.rank()
-    sets = [f"distributed.nproc={WORLD}", f"train.steps={STEPS}", f"metrics.replay_every={replay_every}"]
+    sets = [f"distributed.nproc={WORLD}", f"train.steps={STEPS}", f"metrics.replay_every={replay_every}",
+            f"distributed.strategy={strategy}"]
     if fault:
         sets.append(f"rank_overrides={{{FAULTY}: {{faults: {{matmul_error: 0.001, matmul_error_from_step: 2}}}}}}")
     config = load_config(None, sets)
@@ -55,7 +60,9 @@ def _train(replay_every: int, fault: bool) -> dict:
     tokenizer = load_tokenizer(rank_config.model)
     samples = prepare_samples(rank_config.data, tokenizer, cache_key=rank_config.model.name)
     model = build_model(rank_config.model, len(tokenizer), rank_config.data.max_length)
-    ddp = wrap_model(model, config.distributed, device, WORLD)
+    ddp = wrap_model(model, config.distributed, device, WORLD)  # under FSDP2 the root, sharded in place
+    # FSDP2's replay reads each group's local gradient in the monitor's reduce-scatter comm.
+    monitor = WorkerConsistencyMonitor(ddp, seed=config.train.seed) if strategy == "fsdp" else None
     marker: dict = {"step": None}
     install_faults(model, rank_config.faults, marker)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=rank_config.train.lr)
@@ -63,7 +70,7 @@ def _train(replay_every: int, fault: bool) -> dict:
     batches = MicroBatches(samples, shard_plan(rank_config.data, rank_config.train, rank, WORLD), rank_config.train,
                            tokenizer.pad_token_id)
     ranks = [RankInfo(rank=r, local_rank=r, node="n", device="cpu", device_name="cpu", precision="fp32") for r in range(WORLD)]
-    rounds = replay_rounds(config, rank_config, model, device, ranks)
+    rounds = replay_rounds(config, rank_config, model, device, ranks, monitor)
     assert (rounds is None) == (replay_every == 0)
     losses = []
     for step in range(STEPS):
@@ -72,16 +79,22 @@ def _train(replay_every: int, fault: bool) -> dict:
         if rounds is not None and rounds.due(step):
             rounds.check(step, micro[0])
         loss, _ = backward_over_micro_batches(ddp, micro, device, precision="fp32")
+        if monitor is not None:
+            monitor.end_step(loss)
         apply_update(ddp, optimizer, scheduler, max_grad_norm=rank_config.train.max_grad_norm)
         losses.append(float(loss).hex())
-    params = _digest(*(p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in model.parameters()))
+    if monitor is not None:
+        monitor.close()
+    # Under FSDP2 this rank's shards: equal shards on every run are equal models.
+    params = _digest(*(p.detach().to_local().contiguous().view(torch.uint8).numpy().tobytes() if strategy == "fsdp" else
+                       p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in model.parameters()))
     rng = _digest(torch.get_rng_state().numpy().tobytes(), pickle.dumps(random.getstate()), np.random.get_state()[1].tobytes())
     return {"params": params, "losses": losses, "rng": rng, "evidence": rounds.evidence if rounds is not None else None}
 
 
-def _check_replay_leaves_training_unchanged() -> None:
-    plain = _train(0, fault=False)
-    replayed = _train(2, fault=False)
+def _check_replay_leaves_training_unchanged(strategy: str) -> None:
+    plain = _train(0, fault=False, strategy=strategy)
+    replayed = _train(2, fault=False, strategy=strategy)
     for key in ("params", "losses", "rng"):
         assert replayed[key] == plain[key], (key, distributed.rank())
     evidence = replayed["evidence"]
@@ -91,8 +104,8 @@ def _check_replay_leaves_training_unchanged() -> None:
     assert len({r.source_rank for r in evidence.rounds}) > 1
 
 
-def _check_bad_device_is_named() -> None:
-    evidence = _train(2, fault=True)["evidence"]
+def _check_bad_device_is_named(strategy: str) -> None:
+    evidence = _train(2, fault=True, strategy=strategy)["evidence"]
     first, *faulted = evidence.rounds
     assert first.step == 0 and not first.differences, first
     for round_ in faulted:
@@ -101,17 +114,37 @@ def _check_bad_device_is_named() -> None:
         assert difference.reference_rank != FAULTY and difference.reproduced
         assert 1e-4 < difference.rel_l2 < 1e-2 and difference.max_abs > 0, difference
         assert round_.groups == [[r for r in range(WORLD) if r != FAULTY], [FAULTY]]
+        # Under FSDP2 a difference names the first parameter group that differs (the root's own: the embeddings).
+        assert difference.first_tensor == ("the root module" if strategy == "fsdp" else "transformer.wte.weight"), difference
 
 
-def _worker() -> None:
+def _check_tolerance_mode_names_a_bad_device() -> None:
+    # A GPU without deterministic algorithms: two replays on each rank set the bound, the sketches compare the ranks.
+    from healthcheck.measure import environment
+
+    real = environment.replay_determinism
+    environment.replay_determinism = lambda device: ("tolerance", "forced by the test")
+    try:
+        evidence = _train(2, fault=True, strategy="fsdp")["evidence"]
+    finally:
+        environment.replay_determinism = real
+    assert evidence.mode == "tolerance" and evidence.repeat_spread == [0.0] * WORLD, evidence.repeat_spread
+    first, *faulted = evidence.rounds
+    assert not first.differences and all([d.rank for d in r.differences] == [FAULTY] for r in faulted), evidence.rounds
+
+
+def _worker(strategy: str) -> None:
     distributed.set_worker_threads(WORLD)
     distributed.init_distributed("cpu", "gloo", 120)
     try:
-        _check_replay_leaves_training_unchanged()
-        _check_bad_device_is_named()
+        _check_replay_leaves_training_unchanged(strategy)
+        _check_bad_device_is_named(strategy)
+        if strategy == "fsdp":
+            _check_tolerance_mode_names_a_bad_device()
     finally:
         distributed.destroy_distributed()
 
 
-def test_replay_is_invisible_to_training_and_names_a_bad_device():
-    launcher.launch_local(_worker, WORLD, run_id="test-replay-4")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_replay_is_invisible_to_training_and_names_a_bad_device(strategy):
+    launcher.launch_local(functools.partial(_worker, strategy), WORLD, run_id=f"test-replay-{strategy}")

@@ -36,9 +36,10 @@ class BatchKeeper:
         self.paused = False
         self._module = module
         self._forward: Any = None  #: the instance's own ``forward`` attribute at the kept call, if it had one
-        self._handle = module.register_forward_pre_hook(eager(self._keep), with_kwargs=True)
+        self._handle = module.register_forward_pre_hook(eager(self.keep), with_kwargs=True)
 
-    def _keep(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def keep(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook; called directly for a forward already under way when the keeper is made."""
         import torch
 
         if self.batch is None and not self.paused and torch.is_grad_enabled():

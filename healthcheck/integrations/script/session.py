@@ -69,7 +69,7 @@ class ScriptSession:
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
         self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_at_start)
-        self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step (DDP)
+        self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self.audit: Optional[AuditRecorder] = None
         self.steps_done, self.complete = 0, False
@@ -174,6 +174,9 @@ class ScriptSession:
         self._grad_start = GradientStart(module)
         self._handles += self.forwards.attach(module) + self._grad_start.attach(module) + [self.skip.attach(module)]
         self.forwards.before(module, args, kwargs)
+        self._keeper = BatchKeeper(module)
+        self._keeper.keep(module, args, kwargs)  # this forward's pre-hooks were listed before the keeper's was added
+        self.hooks.install_faults(module)
 
     def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
         """The FSDP2 ranks cannot train together (:mod:`.shard_agreement`): they shard differently (before the first
@@ -349,7 +352,7 @@ class ScriptSession:
         # What the first step already shows rides on the same gather: RNG states, extras, the DataLoader's batches.
         early = RankEvidence(rng=self.audit.rng, extra=self.audit.extra, **self.loaders.evidence())
         keeper = self._keeper
-        replay_problem = unavailable(keeper.batch, keeper.redirected) if keeper is not None else "the model is sharded (FSDP2)"
+        replay_problem = unavailable(keeper.batch, keeper.redirected) if keeper is not None else None
         gathered = hdist.all_gather_objects({"info": rank_info.model_dump(), "evidence": early.model_dump(), "replay": replay_problem})
         self._all_ranks = [RankInfo.model_validate(item["info"]) for item in gathered]
         self._start_replay(device, next((item["replay"] for item in gathered if item["replay"]), None))
@@ -368,7 +371,8 @@ class ScriptSession:
         if problem is not None or self._keeper is None:
             self.audit.replay = ReplayEvidence(mode="bitwise", mode_reason="", unavailable=problem)
             return
-        self._replay = self.hooks.make_replay(self.model.module, model_loss, device, [r.device_name for r in self._all_ranks])
+        module = self.model if self.fsdp.root is self.model else self.model.module  # FSDP2's root, or what DDP wraps
+        self._replay = self.hooks.make_replay(module, model_loss, device, [r.device_name for r in self._all_ranks], self.monitor)
         if self._replay is not None:
             self.audit.replay = self._replay.evidence
 

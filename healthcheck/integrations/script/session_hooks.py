@@ -20,5 +20,5 @@ class SessionHooks:
     on_metrics: Callable[[int, Any], None]  #: (step, StepMetrics): rows and progress
     on_process_group: Callable[[], None] = lambda: None  #: the script's process group now exists
     install_faults: Callable[[Any], None] = lambda module: None  #: gradient-side faults on the model
-    #: (module, loss_of, device, device names) -> the replay audit's rounds, or None when switched off
-    make_replay: Callable[[Any, Any, Any, list[str]], Any] = lambda module, loss_of, device, names: None
+    #: (module, loss_of, device, device names, monitor) -> the replay audit's rounds, or None when switched off
+    make_replay: Callable[[Any, Any, Any, list[str], Any], Any] = lambda module, loss_of, device, names, monitor: None
