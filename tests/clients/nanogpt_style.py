@@ -9,6 +9,9 @@ offsets, the micro-steps of gradient accumulation set ``model.require_backward_g
 (instead of ``no_sync()``), the learning rate follows a cosine with linear warmup set into the param groups each
 iteration, and gradients are clipped through a (disabled on CPU) ``GradScaler``.
 
+``--fsdp2``: ``fully_shard`` on each decoder layer and the model instead of DDP, gradient sync switched off between
+micro-steps with ``set_requires_gradient_sync`` (torchtitan's way).
+
 ``--bug``: ``same-seed`` (``seed_offset = 0`` on every rank: every rank draws the same offsets, so trains on the same
 batches) and ``seed-offset-rank=R`` (rank R takes the offset of rank R+1, as a launcher that exports another
 RANK to it would: two ranks train on the same batches).
@@ -57,6 +60,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--compile", default=None, help="torch.compile the model before DDP with this backend (nanoGPT: inductor)")
+    ap.add_argument("--fsdp2", action="store_true", help="fully_shard each decoder layer and the model instead of DDP")
     ap.add_argument("--bug", default="none")
     args = ap.parse_args()
     if args.prepare:
@@ -84,7 +88,14 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model)
     if args.compile:
         model = torch.compile(model, backend=args.compile)
-    model = DDP(model)
+    if args.fsdp2:  # torchtitan's way: each block, then the root; gradient sync switched off between micro-steps
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DDP(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -94,7 +105,10 @@ def main():
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro_step in range(args.grad_accum):
-            model.require_backward_grad_sync = micro_step == args.grad_accum - 1
+            if args.fsdp2:
+                model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
+            else:
+                model.require_backward_grad_sync = micro_step == args.grad_accum - 1
             logits = model(input_ids=X).logits
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), Y.view(-1)) / args.grad_accum
             X, Y = get_batch()  # prefetch the next batch while the backward runs, as nanoGPT does
