@@ -72,10 +72,20 @@ def group_settings(root: Any) -> dict[str, str]:
 def gradient_sync(root: Any) -> str:
     """Whether the next backward reduce-scatters the gradients (``set_requires_gradient_sync``): "on", "off", or
     "on for N of M groups" (a model without groups: "on", FSDP2's default)."""
-    flags = [bool(group.reduce_grads) for _, _, group in param_groups(root)]
+    flags = sync_flags(root)
     if all(flags):
         return "on"
     return "off" if not any(flags) else f"on for {sum(flags)} of {len(flags)} groups"
+
+
+def sync_flags(root: Any) -> list[bool]:
+    """Each parameter group's gradient-sync switch, to put back with :func:`set_sync_flags` (a replay turns it on)."""
+    return [bool(group.reduce_grads) for _, _, group in param_groups(root)]
+
+
+def set_sync_flags(root: Any, flags: list[bool]) -> None:
+    for (_, _, group), flag in zip(param_groups(root), flags, strict=True):
+        group.reduce_grads = flag
 
 
 def mesh_layout(param_group: Any) -> str:

@@ -65,7 +65,7 @@ class ShardedGradientReplay(GradientReplay):
         root = self.module
         params = list(root.parameters())
         kept = [p.grad for p in params]
-        sync = [group.reduce_grads for _, _, group in fsdp_internals.param_groups(root)]
+        sync = fsdp_internals.sync_flags(root)
         for p in params:
             p.grad = None  # FSDP2 accumulates into a .grad it finds: the training step's stays apart
         root.set_requires_gradient_sync(True)
@@ -76,8 +76,7 @@ class ShardedGradientReplay(GradientReplay):
         finally:
             for p, grad in zip(params, kept, strict=True):
                 p.grad = grad
-            for (_, _, group), flag in zip(fsdp_internals.param_groups(root), sync, strict=True):
-                group.reduce_grads = flag
+            fsdp_internals.set_sync_flags(root, sync)
         return loss.detach()
 
     def local(self, step: int, batch: Mapping[str, Any]) -> LocalReplay:

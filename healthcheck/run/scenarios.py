@@ -179,7 +179,6 @@ CATALOGUE: tuple[Scenario, ...] = (
         (_on_faulty_rank("faults", "matmul_error: 0.001, matmul_error_from_step: 10"),),
         ("audit.replay",),
         SEEDED_RANK,
-        fsdp_not_applicable="the replay audit needs each rank to hold the whole model; under FSDP2 every rank holds a shard",
     ),
     Scenario(
         "bitflip",
