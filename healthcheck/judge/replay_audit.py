@@ -202,7 +202,16 @@ def _difference_phrase(difference: ReplayDifference) -> str:
     ...     print(part)
     rank 5's gradient differs from rank 0's by max |Δ| 3.0e-05, relative L2 1.1e-03 (first in wte.weight)
     reproduced on a second replay (persistent)
+
+    Under FSDP2 no rank keeps its replay gradient, so the difference is measured on a replay after the first: where
+    the first alone differed, nothing was left to measure.
+
+    >>> print(_difference_phrase(d.model_copy(update={"max_abs": 0.0, "rel_l2": 0.0, "reproduced": False})))
+    rank 5's gradient differed from rank 0's in the first replay only, not in two more (transient)
     """
+    if difference.max_abs == 0 and not difference.reproduced:
+        return (f"rank {difference.rank}'s gradient differed from rank {difference.reference_rank}'s in the first replay "
+                "only, not in two more (transient)")
     where = f" (first in {difference.first_tensor})" if difference.first_tensor else ""
     again = (
         "reproduced on a second replay (persistent)"
