@@ -166,6 +166,8 @@ def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all
     assert result["failure"] is None and result["steps_completed"] == 0
     message = "fsdp.param_dtype differs: ranks 0-1, 3 torch.bfloat16; rank 2 torch.float32"
     assert result["stopped_early"] == {"step": 0, "check": "environment", "message": message, "unavoidable": True, "ranks": [2]}
+    # The audit also says what each rank computes in: the policy's param_dtype (it read "fp32" on every rank before).
+    message += "; precision differs: ranks 0-1, 3 bfloat16 (FSDP2 param_dtype); rank 2 float32 (FSDP2 param_dtype)"
     assert result["audits"]["environment"]["message"] == message
     verdict = json.loads((out / "verdict.json").read_text())
     assert failed_ranks(out) == {"audit.environment": [2]}

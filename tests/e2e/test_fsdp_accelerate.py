@@ -108,6 +108,8 @@ def test_trl_on_fsdp2_names_a_rank_that_scales_its_loss(tiny_llama, tmp_path):  
     assert result["stopped_early"]["check"] == "loss_weight" and failed_ranks(out) == {"audit.loss_weight": [0]}, result["stopped_early"]
     assert "rank 0's loss enters its backward with 1.5x the weight per token of ranks 1-3's" in result["stopped_early"]["message"]
     assert "param_dtype=torch.bfloat16" in result["audits"]["environment"]["facts"]["fsdp.mp_policy"]
+    # No autocast and fp32 parameters: the precision is read off the policy (it said "fp32" before).
+    assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["bfloat16 (FSDP2 param_dtype)"] * 4
 
 
 def test_a_trainer_rank_with_neftune_on_fsdp2_is_named_by_the_replay_for_its_hook(tiny_llama, tmp_path):  # noqa: F811

@@ -32,7 +32,7 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
     if torch.is_autocast_enabled(device_type):
         precision = f"{str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')} autocast"
     else:
-        precision = forward_autocast(module, device_type) or precision
+        precision = forward_autocast(module, device_type) or sharded_compute_dtype(module) or precision
     return {
         "rng": rng_state_hashes(device),
         "torch_seed": int(torch.initial_seed()),
@@ -43,6 +43,21 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         "module": module_facts(module),
         "hooks": module_hooks(module),
     }
+
+
+def sharded_compute_dtype(module: Any) -> Optional[str]:
+    """The dtype an FSDP2 model computes in where its ``MixedPrecisionPolicy`` sets one (``param_dtype``: the
+    parameters are all-gathered in it), or None. Its parameters stay fp32 and no autocast is entered, so a TRL run
+    in bf16 under FSDP2 read "fp32".
+
+    >>> import torch
+    >>> sharded_compute_dtype(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    from healthcheck.measure.fsdp_internals import group_settings
+
+    dtypes = group_settings(module).get("fsdp.param_dtype", "None")
+    return None if dtypes == "None" else f"{dtypes.replace('torch.', '')} (FSDP2 param_dtype)"
 
 
 def forward_autocast(module: Any, device_type: str) -> Optional[str]:
