@@ -224,6 +224,34 @@ def relative_l2(grads: Sequence[Any], reference: Sequence[Any]) -> float:
     return (gap / norm) ** 0.5 if norm > 0 else (0.0 if gap == 0 else float("inf"))
 
 
+class DifferenceSums:
+    """Each rank's exact difference from a reference rank's gradient, added up tensor by tensor on the device: max
+    |Δ|, ‖Δ‖², ‖g_ref‖² and the lowest index with Δ ≠ 0. ``keep`` marks what it makes (FSDP2's reduce-scatter stream
+    makes it, the default stream reads it: :func:`~healthcheck.measure.fsdp_internals.keep_for_default_stream`)."""
+
+    def __init__(self, reference_rank: int, rank: int, device: Any, keep: Callable[[Any], Any] = lambda tensor: tensor):
+        self.reference_rank, self.rank, self._keep = reference_rank, rank, keep
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.max_abs, self.gap_sq, self.ref_sq, self.first = zero, zero, zero, torch.full_like(zero, -1.0)
+
+    def add(self, index: int, grad: Any) -> None:
+        """Collective: tensor ``index`` of this rank's gradient against the reference's (one broadcast)."""
+        reference = grad.detach().clone() if self.rank == self.reference_rank else torch.empty_like(grad)
+        hdist.broadcast(reference, src=self.reference_rank)
+        delta = grad.detach().to(torch.float64) - reference.to(torch.float64)
+        tensor_max = delta.abs().max() if delta.numel() else torch.zeros_like(self.max_abs)
+        keep, first = self._keep, self.first
+        self.max_abs = keep(torch.maximum(self.max_abs, tensor_max))
+        self.gap_sq = keep(self.gap_sq + delta.square().sum())
+        self.ref_sq = keep(self.ref_sq + reference.to(torch.float64).square().sum())
+        self.first = keep(torch.where((tensor_max > 0) & ((first < 0) | (first > index)), torch.full_like(first, index), first))
+
+    def gathered(self) -> list[tuple[float, float, int]]:
+        """Collective: per rank, ``(max |Δ|, ‖Δ‖ / ‖g_ref‖, the lowest index with Δ ≠ 0 or -1)``."""
+        rows = hdist.all_gather_rows(torch.stack([self.max_abs, self.gap_sq, self.ref_sq, self.first])).cpu().tolist()
+        return [(m, (g / r) ** 0.5 if r > 0 else (0.0 if g == 0 else float("inf")), int(f)) for m, g, r, f in rows]
+
+
 class GradientReplay:
     """Replays on this rank; see the module docstring.
 
@@ -284,16 +312,7 @@ class GradientReplay:
         One broadcast per tensor (extra memory: one tensor). Returns, per rank, ``(max |Δ|, ‖Δ‖ / ‖g_ref‖,
         index of the first tensor with Δ ≠ 0 or -1)``.
         """
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        max_abs, gap_sq, ref_sq, first = zero.clone(), zero.clone(), zero.clone(), torch.full_like(zero, -1.0)
+        sums = DifferenceSums(reference_rank, self.rank, self.device)
         for index, grad in enumerate(grads):
-            reference = grad.detach().clone() if self.rank == reference_rank else torch.empty_like(grad)
-            hdist.broadcast(reference, src=reference_rank)
-            delta = grad.detach().to(torch.float64) - reference.to(torch.float64)
-            tensor_max = delta.abs().max() if delta.numel() else zero
-            max_abs = torch.maximum(max_abs, tensor_max)
-            gap_sq += delta.square().sum()
-            ref_sq += reference.to(torch.float64).square().sum()
-            first = torch.where((first < 0) & (tensor_max > 0), torch.full_like(first, index), first)
-        rows = hdist.all_gather_rows(torch.stack([max_abs, gap_sq, ref_sq, first])).cpu().tolist()
-        return [(m, (g / r) ** 0.5 if r > 0 else (0.0 if g == 0 else float("inf")), int(f)) for m, g, r, f in rows]
+            sums.add(index, grad)
+        return sums.gathered()

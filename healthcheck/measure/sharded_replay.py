@@ -26,11 +26,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from healthcheck.measure import distributed as hdist
 from healthcheck.measure import fsdp_internals
 from healthcheck.measure.bit_hash import tensor_bit_hash
 from healthcheck.measure.fsdp_internals import keep_for_default_stream as keep
-from healthcheck.measure.replay import GradientReplay, LocalReplay, replay_rng, replay_seed
+from healthcheck.measure.replay import DifferenceSums, GradientReplay, LocalReplay, replay_rng, replay_seed
 
 
 @dataclasses.dataclass
@@ -118,21 +117,7 @@ class ShardedGradientReplay(GradientReplay):
         group). Returns, per rank, ``(max |Δ|, ‖Δ‖ / ‖g_ref‖, index of the first group with Δ ≠ 0 or -1)``.
         """
         rerun: _Rerun = grads
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        state = {"max": zero.clone(), "gap": zero.clone(), "ref": zero.clone(), "first": torch.full_like(zero, -1.0)}
-
-        def on_local(index: int, local: Any) -> None:
-            reference = local.detach().clone() if self.rank == reference_rank else torch.empty_like(local)
-            hdist.broadcast(reference, src=reference_rank)
-            delta = local.detach().to(torch.float64) - reference.to(torch.float64)
-            group_max = delta.abs().max() if delta.numel() else zero
-            state["max"] = keep(torch.maximum(state["max"], group_max))
-            state["gap"] = keep(state["gap"] + delta.square().sum())
-            state["ref"] = keep(state["ref"] + reference.to(torch.float64).square().sum())
-            # The backward reduce-scatters the groups last to first: the first in the model's order is the lowest index.
-            first = state["first"]
-            state["first"] = keep(torch.where((group_max > 0) & ((first < 0) | (first > index)), torch.full_like(first, index), first))
-
-        self._run(rerun.step, rerun.batch, on_local)
-        rows = hdist.all_gather_rows(torch.stack([state["max"], state["gap"], state["ref"], state["first"]])).cpu().tolist()
-        return [(m, (g / r) ** 0.5 if r > 0 else (0.0 if g == 0 else float("inf")), int(f)) for m, g, r, f in rows]
+        # The backward reduce-scatters the groups last to first; the sums keep the lowest index, the first in the model.
+        sums = DifferenceSums(reference_rank, self.rank, self.device, keep=keep)
+        self._run(rerun.step, rerun.batch, sums.add)
+        return sums.gathered()

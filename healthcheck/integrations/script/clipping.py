@@ -25,7 +25,9 @@ class ClipRecorder:
     >>> import torch
     >>> w = torch.nn.Parameter(torch.ones(3))
     >>> clips = ClipRecorder(lambda: {id(w)})
-    >>> clips.observe("clip_grad_norm_", [w], (1.0,), {"norm_type": 2.0})
+    >>> other = torch.nn.Parameter(torch.ones(1))  # another module's: not recorded
+    >>> clips.observe("clip_grad_norm_", [w], (1.0,), {"norm_type": 2.0}), clips.observe("clip_grad_value_", [other], (1.0,), {})
+    (True, False)
     >>> clips.facts()
     {'clip': 'clip_grad_norm_ max_norm=1 norm_type=2'}
     >>> clips.facts()  # read once: later calls are the same setting or a schedule, not compared
@@ -36,15 +38,17 @@ class ClipRecorder:
         self.owned = owned
         self._calls: Optional[set[str]] = set()
 
-    def observe(self, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> None:
+    def observe(self, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> bool:
+        """Record a clip before the first step; whether it clipped the model's gradients (then it was recorded)."""
         if self._calls is None or not self.owned().intersection(id(p) for p in parameters):
-            return
+            return False
         keyword = CLIP_FUNCTIONS[name]
         threshold = kwargs.get(keyword, args[0] if args else None)
         setting = f"{name} {keyword}={_number(threshold)}"
         if name == "clip_grad_norm_":
             setting += f" norm_type={_number(kwargs.get('norm_type', args[1] if len(args) > 1 else 2.0))}"
         self._calls.add(setting)
+        return True
 
     def facts(self) -> dict[str, str]:
         """``{"clip": ...}``: the distinct settings, or ``none`` (no clipping before the first step); ``{}`` after."""

@@ -89,15 +89,15 @@ class Patches:
 
 
 def _clipped(session: Any, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> None:
-    session.clips.observe(name, parameters, args, kwargs)
-    session.fsdp.at_clip(parameters)  # FSDP2: the clip's norm is a collective, so the ranks first compare where they are
+    if session.clips.observe(name, parameters, args, kwargs):  # the model's gradients, before the first step
+        session.fsdp.at_clip()  # FSDP2: the clip's norm is a collective, so the ranks first compare where they are
 
 
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.loaders.on_fetch(iterator, indices)``, ``session.loaders.on_batch(iterator, batch)``,
     ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and ``session.clips.observe(...)`` with
-    ``session.fsdp.at_clip(parameters)``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
+    ``session.fsdp.at_clip()``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
     ``session.on_scaler_step(optimizer)``."""
     import random
 

@@ -82,15 +82,13 @@ class ShardedRoot:
         self.forwards += 1
         self._compare(module)
 
-    def at_clip(self, parameters: list[Any]) -> None:
-        """A clip before the first update. Of the root's gradients it is a collective under FSDP2 (the norm is
-        all-reduced over the shards), which a rank still at a forward (its own gradient accumulation, with a
-        reduce-scatter per micro-batch: the Trainer's and accelerate's FSDP2 default) would meet with an
-        all-gather: the ranks hung until ``distributed.timeout_s``. So they compare where they are first."""
-        if not self.started or self._updated or self.root is None:
-            return
-        owned = {id(p) for p in self.root.parameters()}
-        if any(id(p) in owned for p in parameters):
+    def at_clip(self) -> None:
+        """A clip of the trained model's gradients (the caller checks whose) before the first update. Under FSDP2 it
+        is a collective (the norm is all-reduced over the shards), which a rank still at a forward (its own gradient
+        accumulation, with a reduce-scatter per micro-batch: the Trainer's and accelerate's FSDP2 default) would
+        meet with an all-gather: the ranks hung until ``distributed.timeout_s``. So they compare where they are
+        first. A DDP model has no root here: nothing to compare."""
+        if self.started and not self._updated and self.root is not None:
             self._compare(self.root, at="clip")
 
     def at_first_update(self) -> None:

@@ -3,11 +3,15 @@ comparison is replaced by a fixed outcome)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.script import sharded_root
+from healthcheck.integrations.script.clipping import ClipRecorder
+from healthcheck.integrations.script.patches import _clipped
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.audit_outcome import AuditOutcome
 
@@ -91,12 +95,14 @@ def test_a_clip_of_the_roots_gradients_before_the_first_update_compares_where_th
     behind = lambda fact: DIFFER if fact.startswith("gradient clipping") else AGREE  # noqa: E731
     calls, model, other = Calls(monkeypatch, AGREE, lockstep=behind), _model(), torch.nn.Linear(2, 2)
     calls.root.add(model)
-    calls.root.at_clip(list(model.parameters()))  # before training started: nothing to compare
+    # What the clip patch calls: the recorder says whether the model's gradients were clipped (patches._clipped).
+    session = SimpleNamespace(clips=ClipRecorder(lambda: {id(p) for p in model.parameters()}), fsdp=calls.root)
+    _clipped(session, "clip_grad_norm_", list(model.parameters()), (1.0,), {})  # before training started: nothing
     model(torch.ones(1, 2))
     model(torch.ones(1, 2))
-    calls.root.at_clip(list(other.parameters()))  # not the root's gradients: no collective of FSDP2's
+    _clipped(session, "clip_grad_norm_", list(other.parameters()), (1.0,), {})  # not the root's: no collective of FSDP2's
     assert calls.disagreed == []
-    calls.root.at_clip(list(model.parameters()))
+    _clipped(session, "clip_grad_norm_", list(model.parameters()), (1.0,), {})
     assert calls.disagreed == [(model, DIFFER)] and calls.root.fact == "gradient clipping after 2 forwards"
 
 
@@ -104,7 +110,7 @@ def test_clips_are_compared_until_the_first_update_only(monkeypatch):
     calls, model = Calls(monkeypatch, AGREE), _model()
     calls.root.add(model)
     model(torch.ones(1, 2))
-    calls.root.at_clip(list(model.parameters()))
+    calls.root.at_clip()
     calls.root.at_first_update()
-    calls.root.at_clip(list(model.parameters()))
+    calls.root.at_clip()
     assert calls.facts == ["forward 1 (gradient sync on)", "gradient clipping after 1 forward", "optimizer step after 1 forward"]
