@@ -196,6 +196,12 @@ class MetricsConfig(_Section):
         "`grads` (.grad once a step, by an autograd callback before DDP's finalize; DDP keeps its own all-reduce; sketch "
         "mode) or `auto` (grads on CUDA where it can run, else buckets; every rank alike). FSDP2 takes auto.",
     )
+    exact_keep_microbatches: bool = Field(
+        False,
+        description="FSDP2, direction=exact: keep every rank's slices of each micro-batch's reduce-scatter (one unsharded "
+        "fp32 gradient per rank), so a loop that reduce-scatters every micro-batch of gradient accumulation (FSDP2's "
+        "default, the Trainer's and accelerate's) is measured exactly. DDP ignores it.",
+    )
     param_check_every: int = Field(
         10,
         ge=1,
@@ -245,10 +251,12 @@ class MetricsConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _reduction_on_sampled_steps(self) -> "MetricsConfig":
+    def _settings_fit(self) -> "MetricsConfig":
         # The reduction check rides on the monitor's per-step gather, which runs on sampled steps only.
         if self.reduction_check_every % self.every:
             raise ValueError(f"reduction_check_every: must be 0 or a multiple of every ({self.every}), got {self.reduction_check_every}")
+        if self.exact_keep_microbatches and self.direction != "exact":
+            raise ValueError("exact_keep_microbatches: applies to direction=exact (sketch mode adds the micro-batches' sketches)")
         return self
 
 

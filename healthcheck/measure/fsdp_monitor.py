@@ -21,7 +21,8 @@ with the accumulated local gradient. By default FSDP2 reduce-scatters every micr
 sketch mode adds the micro-batches' sketches (the sketch is linear) and reads norms, ⟨g_i, ḡ⟩ and ‖ḡ‖²
 off the sketches, and exact mode needs ``reduce_scatter_every_microbatch=True``: it then keeps the
 received slices of every micro-batch (one unsharded gradient's worth per rank: the cross terms between
-micro-batches need them) and computes the Gram in ``end_step``. Without it, a second call raises.
+micro-batches need them) and computes the Gram in ``end_step`` (a probe's ``metrics.exact_keep_microbatches``).
+Without it, a second call raises.
 
 The reduction check (``reduction_every``) compares each rank's reduce-scattered shard with the float64
 mean of the slices the all-to-all brought (exact mode has them; sketch mode exchanges on check steps).
@@ -259,7 +260,8 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             raise InvalidInput(
                 "exact mode (metrics.direction=exact) and an FSDP2 model that reduce-scatters every micro-batch of "
                 "gradient accumulation: call set_requires_gradient_sync(False) on all but the last micro-batch, use "
-                "metrics.direction=sketch, or (monitor API) reduce_scatter_every_microbatch=True"
+                "metrics.direction=sketch, or keep every micro-batch's slices (one unsharded fp32 gradient per rank): "
+                "--set metrics.exact_keep_microbatches=true (monitor API: reduce_scatter_every_microbatch=True)"
             )
         pre, sum_scale = fsdp_internals.true_gradient_scale(comm.param_group, group, local, op)
         checking = self._checking_reduction()

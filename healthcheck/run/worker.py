@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, WorkerReport
 from healthcheck.config import ProbeConfig, resolve_for_rank
+from healthcheck.config.monitor_settings import monitor_settings
 from healthcheck.errors import InvalidInput
 from healthcheck.judge.assemble import (
     builtin_shard_audit,
@@ -215,17 +216,8 @@ def _train(
         # FSDP2 slices each rank's own weights without a broadcast: hash them while they are still whole.
         pre_shard = unsharded_weight_hashes(model) if strategy == "fsdp" else []
         wrapped = wrap_model(model, config.distributed, device, info.world_size)
-        # The sketch projection must be identical on every rank, so it is seeded from the global
-        # config, never from this rank's (possibly perturbed) seed.
-        monitor = WorkerConsistencyMonitor(
-            wrapped,
-            direction=config.metrics.direction,
-            sketch_dim=config.metrics.sketch_dim,
-            every=config.metrics.every,
-            seed=config.train.seed,
-            reduction_every=config.metrics.reduction_check_every,
-            local_from=config.metrics.local_from,
-        )
+        # From the global config, never this rank's: the sketch map must be the same on every rank.
+        monitor = WorkerConsistencyMonitor(wrapped, **monitor_settings(config, fsdp=strategy == "fsdp"))
         install_faults(model, rank_config.faults, step_marker)
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=rank_config.train.lr, weight_decay=rank_config.train.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(rank_config.train.lr_warmup_steps))

@@ -23,6 +23,11 @@ STEPS = 3
 pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not beside this checkout")
 #: The Trainer clips at its default max_grad_norm=1; the accelerate loop clips when asked.
 CLIP = {"hf_trainer": (), "accelerate_loop": ("--clip", "1")}
+#: Each client in one mode. Both reduce-scatter every micro-batch under FSDP2: the accelerate loop's sketch mode adds
+#: the micro-batches' sketches; the Trainer's exact mode keeps every micro-batch's slices (without that setting it is
+#: refused: test_exact_mode_on_a_reduce_scatter_per_micro_batch_is_refused_with_the_setting_that_measures_it).
+MODE = {"hf_trainer": ("--set", "metrics.direction=exact"), "accelerate_loop": ()}
+KEEP = ("--set", "metrics.exact_keep_microbatches=true")
 
 
 @pytest.fixture(scope="module", params=sorted(CLIP))
@@ -31,7 +36,8 @@ def pair(request, tiny_llama, tmp_path_factory):  # noqa: F811
     runs = {}
     for name, flags in (("ddp", ()), ("fsdp2", ("--fsdp2",))):
         out, log = tmp / name, tmp / f"{name}-loss.jsonl"
-        done = run_cli(*probe_args(client, out, tiny_llama, log, steps=STEPS, script_args=(*flags, *CLIP[client])))
+        extra = (*MODE[client], *(KEEP if flags and MODE[client] else ()))
+        done = run_cli(*probe_args(client, out, tiny_llama, log, steps=STEPS, extra=extra, script_args=(*flags, *CLIP[client])))
         runs[name] = (out, log, done)
     return client, runs
 
@@ -54,15 +60,22 @@ def test_the_fsdp2_run_passes_its_audits_and_measures_what_the_same_loop_under_d
     assert audits["sharded_state"]["measured"] and not audits["param_equality"]["measured"]
     facts = audits["environment"]["facts"]
     assert facts["clip"] == "clip_grad_norm_ max_norm=1 norm_type=2" and facts["fsdp.reshard_after_forward"], facts
-    # The same micro-batches, so the same losses; FSDP2's reduce-scatter per micro-batch leaves the norms and
-    # cosines to the sketches (the sum of the micro-batches' sketches), within their bound of the DDP run's.
+    # The same micro-batches, so the same losses. In sketch mode FSDP2's reduce-scatter per micro-batch leaves the
+    # norms and cosines to the sketches (the sum of the micro-batches' sketches), within their bound of the DDP run's;
+    # in exact mode (test_script_mode.py checks the DDP run's against a float64 reference) they are the DDP run's.
     fsdp, ddp = _by_step_rank(out), _by_step_rank(runs["ddp"][0])
     assert set(fsdp) == set(ddp) == {(s, r) for s in range(STEPS) for r in range(4)}
-    bound = 4 * math.sqrt(2 / 4096)
+    bound = 1e-6 if MODE[client] else 4 * math.sqrt(2 / 4096)
     for key, row in fsdp.items():
         assert row["loss"] == pytest.approx(ddp[key]["loss"], rel=1e-6), key
         assert row["grad_norm"] == pytest.approx(ddp[key]["grad_norm"], rel=bound), key
         assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=2 * bound), key
+    if MODE[client]:
+        pairwise = {run: {row["step"]: row["pairwise_cosine"] for row in read_rows(folder / "aggregates.jsonl")}
+                    for run, folder in (("fsdp2", out), ("ddp", runs["ddp"][0]))}
+        for step in range(STEPS):
+            cells = zip(sum(pairwise["fsdp2"][step], []), sum(pairwise["ddp"][step], []), strict=True)
+            assert max(abs(a - b) for a, b in cells) <= 1e-6, step
     # And the framework logs the same training loss under both.
     logged = [row["loss"] for row in read_rows(log)]
     assert logged and logged == pytest.approx([row["loss"] for row in read_rows(runs["ddp"][1])], rel=1e-5)
@@ -77,6 +90,20 @@ def _stopped(client: str, tmp_path, tiny_llama, *script_args: str) -> dict:  # n
     assert result["steps_completed"] == 0 and result["failure"] is None
     assert failed_ranks(out) == {"audit.environment": result["stopped_early"]["ranks"]}
     return result["stopped_early"]
+
+
+def test_exact_mode_on_a_reduce_scatter_per_micro_batch_is_refused_with_the_setting_that_measures_it(tiny_llama, tmp_path):  # noqa: F811
+    # The Trainer's FSDP2 accumulation reduce-scatters each micro-batch; exact mode's Gram needs the cross terms
+    # between them. The message named only a monitor argument, which a script-mode user cannot pass.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               extra=MODE["hf_trainer"], script_args=("--fsdp2",)))
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("healthcheck: error: exact mode (metrics.direction=exact) and an FSDP2 model that "
+                            "reduce-scatters every micro-batch"), error
+    assert "--set metrics.exact_keep_microbatches=true" in error, error
+    assert json.loads((out / "result.json").read_text())["status"] == "incomplete"
 
 
 def test_a_trainer_rank_that_shards_in_bf16_is_named_before_the_first_all_gather(tiny_llama, tmp_path):  # noqa: F811

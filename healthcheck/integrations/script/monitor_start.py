@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from healthcheck.config import ProbeConfig
+from healthcheck.config.monitor_settings import monitor_settings
 from healthcheck.errors import InvalidInput
 
 
@@ -22,18 +23,10 @@ def make_monitor(config: ProbeConfig, model: Any) -> Any:
         InvalidInput: A metrics setting the script's model cannot take (``local_from="grads"`` with
             ``gradient_as_bucket_view``; ``"buckets"`` or exact mode where the script registered its own comm hook).
     """
+    from healthcheck.measure.fsdp_internals import is_fsdp_module
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
-    metrics = config.metrics
     try:
-        return WorkerConsistencyMonitor(
-            model,
-            direction=metrics.direction,
-            sketch_dim=metrics.sketch_dim,
-            every=metrics.every,
-            seed=config.train.seed,
-            reduction_every=metrics.reduction_check_every,
-            local_from=metrics.local_from,
-        )
+        return WorkerConsistencyMonitor(model, **monitor_settings(config, fsdp=is_fsdp_module(model)))
     except ValueError as error:
         raise InvalidInput(f"metrics: {error}") from None

@@ -545,6 +545,12 @@ def test_reduction_cadence_must_ride_on_sampled_steps():
     assert load_config(None, ["metrics.every=5"]).metrics.reduction_check_every == 10
 
 
+def test_keeping_micro_batch_slices_is_an_exact_mode_setting():
+    with pytest.raises(ConfigError, match=r"metrics: exact_keep_microbatches: applies to direction=exact \(sketch mode"):
+        load_config(None, ["metrics.exact_keep_microbatches=true"])
+    assert load_config(None, ["metrics.direction=exact", "metrics.exact_keep_microbatches=true"]).metrics.exact_keep_microbatches
+
+
 # ----------------------------------------------------------------------------- scenarios
 
 
