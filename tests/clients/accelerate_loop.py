@@ -7,7 +7,7 @@ by accelerate right after it wraps the model); --comm-wrapper: its comm_wrapper 
 the hook); --power-sgd-start N: comm_state_option={"start_powerSGD_iter": N} (PowerSGD all-reduces exactly until then).
 --fsdp2: accelerate's FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2), fully_shard per decoder layer), as on a
 GPU host: accelerate keeps an FSDP plugin only for accelerator device types, so on a CPU the two fields it would set
-are set here, and everything after (prepare, accumulate, backward, clipping) is accelerate's own FSDP2 code.
+are set by the test shim ``cpu_fsdp.py``, and everything after (prepare, accumulate, backward, clipping) is accelerate's own FSDP2 code.
 --clip N: accelerator.clip_grad_norm_(model.parameters(), N) before each update.
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
@@ -22,7 +22,8 @@ import os
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
-from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, set_seed
+from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from cpu_fsdp import keep_fsdp_plugin
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,9 +59,8 @@ def main():
     loading = DataLoaderConfiguration(dispatch_batches=False) if args.stream else DataLoaderConfiguration()
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs], dataloader_config=loading)
     if args.fsdp2:
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-        accelerator.state.distributed_type = DistributedType.FSDP
+        keep_fsdp_plugin(accelerator.state, FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))
     set_seed(1234)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)

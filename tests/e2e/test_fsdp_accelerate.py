@@ -2,11 +2,11 @@
 unmodified.
 
 accelerate keeps an FSDP plugin only for accelerator device types; on a CPU it drops it and trains DDP. The clients'
-``--fsdp2`` (``tests/clients/cpu_fsdp.py`` for the Trainer and TRL, two lines in ``accelerate_loop.py``) sets the two
-fields accelerate sets on a GPU host, so what runs is accelerate's and the Trainer's own FSDP2 code over gloo: ``prepare``'s
-``fully_shard`` per decoder layer, gradient accumulation with a reduce-scatter every micro-batch (FSDP2 modules
-have no ``no_sync``), and ``clip_grad_norm_`` on DTensors. The same clients without ``--fsdp2`` train the same loop
-under DDP, rank by rank and step by step.
+``--fsdp2`` (the test shim ``tests/clients/cpu_fsdp.py``) sets the two fields accelerate sets on a GPU host, so what
+runs is accelerate's and the Trainer's own FSDP2 code over gloo: ``prepare``'s ``fully_shard`` per decoder layer,
+gradient accumulation with a reduce-scatter every micro-batch (FSDP2 modules have no ``no_sync``), and
+``clip_grad_norm_`` on DTensors. The same clients without ``--fsdp2`` train the same loop under DDP, rank by rank and
+step by step.
 """
 
 from __future__ import annotations
