@@ -4,8 +4,9 @@ Four ranks fine-tune the probe's tiny GPT-2 with the trainer's own step, under D
 replays together through the sharded model, :mod:`healthcheck.measure.sharded_replay`). Three runs from the same
 seed: without replay, with a replay every 2 steps, and with a replay every 2 steps while rank 2's matmuls
 are off by 1e-3 from step 2 (the ``bad-device`` fault). The first two must end with bit-identical
-parameters, losses and RNG state; the third must name rank 2, and only from step 2. Under FSDP2 the faulty run is
-judged in tolerance mode too (a GPU's default), from the replays' sketches.
+parameters, losses and RNG state; the third must name rank 2, and only from step 2. A fourth run, with rank 2 off in
+one replay only, must be called transient. Under FSDP2 the faulty run is judged in tolerance mode too (a GPU's
+default), from the replays' sketches.
 
     python -m pytest tests/multiprocess/test_replay.py -q
 """
@@ -47,7 +48,17 @@ def _digest(*arrays: bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def _train(replay_every: int, fault: bool, strategy: str) -> dict:
+def _once_off(module: torch.nn.Module, scale: float) -> None:
+    """Scale ``module``'s output by ``scale`` in its next forward only: a device wrong once, then right again."""
+
+    def off(_module: torch.nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        return output * scale
+
+    handle = module.register_forward_hook(off)
+
+
+def _train(replay_every: int, fault: bool, strategy: str, transient_at: int = -1) -> dict:
     rank = distributed.rank()
     sets = [f"distributed.nproc={WORLD}", f"train.steps={STEPS}", f"metrics.replay_every={replay_every}",
             f"distributed.strategy={strategy}"]
@@ -77,6 +88,8 @@ def _train(replay_every: int, fault: bool, strategy: str) -> dict:
         marker["step"] = step
         micro = [batches.next()]
         if rounds is not None and rounds.due(step):
+            if step == transient_at and rank == FAULTY:
+                _once_off(model.transformer.ln_f, 1 + 1e-3)  # the first replay's forward, before any training one
             rounds.check(step, micro[0])
         loss, _ = backward_over_micro_batches(ddp, micro, device, precision="fp32")
         if monitor is not None:
@@ -118,6 +131,27 @@ def _check_bad_device_is_named(strategy: str) -> None:
         assert difference.first_tensor == ("the root module" if strategy == "fsdp" else "transformer.wte.weight"), difference
 
 
+def _check_a_transient_difference_is_told_apart(strategy: str) -> None:
+    # Rank 2 is off in the first replay at step 2 only. Under DDP the rank keeps that replay's gradient, so the
+    # difference is measured, then not reproduced; under FSDP2 no rank keeps a gradient, so the difference is measured on
+    # a second replay (equal: nothing to measure) and the third does not reproduce it. Both fail the audit, saying so.
+    from healthcheck.judge.replay_audit import replay_audit
+
+    evidence = _train(2, fault=False, strategy=strategy, transient_at=2)["evidence"]
+    by_step = {round_.step: round_ for round_ in evidence.rounds}
+    assert not by_step[0].differences and not by_step[4].differences, evidence.rounds
+    (difference,) = by_step[2].differences
+    assert difference.rank == FAULTY and not difference.reproduced, difference
+    outcome = replay_audit(evidence)
+    assert not outcome.passed
+    if strategy == "fsdp":
+        assert difference.max_abs == 0, difference
+        assert "in the first replay only, not in two more (transient)" in outcome.message, outcome.message
+    else:
+        assert 1e-4 < difference.rel_l2 < 1e-2 and difference.repeat_rel_l2 == 0, difference
+        assert "not reproduced on a second replay (transient: relative L2 0.0e+00 then)" in outcome.message, outcome.message
+
+
 def _check_tolerance_mode_names_a_bad_device() -> None:
     # A GPU without deterministic algorithms: two replays on each rank set the bound, the sketches compare the ranks.
     from healthcheck.measure import environment
@@ -139,6 +173,7 @@ def _worker(strategy: str) -> None:
     try:
         _check_replay_leaves_training_unchanged(strategy)
         _check_bad_device_is_named(strategy)
+        _check_a_transient_difference_is_told_apart(strategy)
         if strategy == "fsdp":
             _check_tolerance_mode_names_a_bad_device()
     finally:
