@@ -9,6 +9,7 @@ the hook); --power-sgd-start N: comm_state_option={"start_powerSGD_iter": N} (Po
 GPU host: accelerate keeps an FSDP plugin only for accelerator device types, so on a CPU the two fields it would set
 are set by the test shim ``cpu_fsdp.py``, and everything after (prepare, accumulate, backward, clipping) is accelerate's own FSDP2 code.
 --clip N: accelerator.clip_grad_norm_(model.parameters(), N) before each update.
+--accum-rank R: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node setting).
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
 rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
@@ -48,6 +49,7 @@ def main():
     ap.add_argument("--power-sgd-start", type=int, default=None)
     ap.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 (fully_shard per decoder layer)")
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this before each update")
+    ap.add_argument("--accum-rank", type=int, default=-1, help="this rank accumulates 4 micro-batches instead of 2")
     ap.add_argument("--stream", action="store_true",
                     help="the examples as an IterableDataset; dispatch_batches=False, so each rank keeps its slice of "
                          "every global batch (accelerate's IterableDatasetShard): dispatching needs equal-sized batches")
@@ -57,7 +59,8 @@ def main():
     ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook),
                                                comm_wrapper=DDPCommunicationHookType(args.comm_wrapper), comm_state_option=state)
     loading = DataLoaderConfiguration(dispatch_batches=False) if args.stream else DataLoaderConfiguration()
-    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, kwargs_handlers=[ddp_kwargs], dataloader_config=loading)
+    accumulation = 4 if int(os.environ.get("RANK", 0)) == args.accum_rank else 2
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True, kwargs_handlers=[ddp_kwargs], dataloader_config=loading)
     if args.fsdp2:
         keep_fsdp_plugin(accelerator.state, FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))

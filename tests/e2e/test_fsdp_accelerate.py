@@ -124,6 +124,24 @@ def test_a_trainer_rank_with_its_own_accumulation_is_named_at_the_clip_instead_o
                                   "rank 2 forward 3 (gradient sync on)"}, stopped
 
 
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_an_accelerate_rank_with_its_own_accumulation_is_named_where_the_loops_collectives_part(layout, tiny_llama, tmp_path):  # noqa: F811
+    # gradient_accumulation_steps 4 on rank 2, 2 elsewhere, in a loop that gathers each micro-batch's loss to log it.
+    # DDP: the others' 2nd backward all-reduced while rank 2's (no_sync) did not, and its gather met their all-reduce:
+    # hung until distributed.timeout_s (exit 3, 300 s by default). FSDP2: the others' first update met rank 2's gather
+    # and gloo aborted on the sizes (exit 3, no rank named).
+    out = tmp_path / "run"
+    flags = ("--accum-rank", "2", *(("--fsdp2",) if layout == "fsdp2" else ()))
+    done = run_cli(*probe_args("accelerate_loop", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+                               extra=("--set", "distributed.timeout_s=60"), script_args=flags))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    stopped = json.loads((out / "result.json").read_text())["stopped_early"]
+    assert failed_ranks(out) == {"audit.environment": [2]}, stopped
+    where = ("forward 2 (gradient sync on); rank 2 forward 2 (gradient sync off)" if layout == "ddp" else
+             "optimizer step after 2 forwards; rank 2 the script's torch.distributed.all_gather after 2 forwards")
+    assert stopped["message"] == f"train.before_first_update differs: ranks 0-1, 3 {where}", stopped
+
+
 def test_trl_on_fsdp2_names_a_rank_that_scales_its_loss(tiny_llama, tmp_path):  # noqa: F811
     # TRL's SFTTrainer on the same FSDP2 path; rank 0's compute_loss multiplies TRL's loss by 1.5 (a per-node branch).
     # SFTConfig's bf16 default is autocast under DDP and accelerate's MixedPrecisionPolicy under FSDP2.

@@ -347,13 +347,15 @@ def test_a_doubled_loss_is_named_in_a_bf16_model_whose_weights_carry_bf16_roundi
 def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(tiny_llama, tmp_path):
     # Rank 1 runs 4 micro-batches per update, the others 2: DDP's all-reduces pair up (one per update), the Trainer
     # divides by a token count over every rank, so the loss weights per token agree, and the shards stay disjoint.
-    # It passed every audit; only the number of training forwards before the first update shows it.
+    # It passed every audit; then the number of training forwards in step 0 showed it, at the first update. Now its
+    # 2nd forward does (under no_sync, where the others' all-reduce), as under FSDP2 (:mod:`.lockstep`).
     out = tmp_path / "run"
     done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=3, script_args=("--accum-rank", "1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["check"] == "environment" and result["steps_completed"] == 0, result["stopped_early"]
-    assert result["audits"]["environment"]["message"] == "train.forwards_in_step_0 differs: ranks 0, 2-3 2; rank 1 4"
+    assert result["audits"]["environment"]["message"] == ("train.before_first_update differs: ranks 0, 2-3 forward 2 "
+                                                          "(gradient sync on); rank 1 forward 2 (gradient sync off)")
     assert failed_ranks(out) == {"audit.environment": [1]}
 
 

@@ -20,7 +20,8 @@ original on exit, in reverse order, whatever happened in between.
   probed (healthcheck already is the launcher), so it gets a clear error.
 * ``torch.distributed``'s blocking collectives (:data:`BLOCKING_COLLECTIVES`): their time counts as waiting on
   the other ranks (``session.waiting()``), not as the rank's own work in its step time (busy_ms): a script that
-  all-reduces its loss to log it would otherwise hand a slow rank's delay to the ranks that waited for it.
+  all-reduces its loss to log it would otherwise hand a slow rank's delay to the ranks that waited for it. Before
+  the first update, the script's own calls first compare where the ranks are (:mod:`.lockstep`).
 * ``_BaseDataLoaderIter._next_index``: the indices of every batch any DataLoader fetches. It is
   private torch API, the one place every loader (DistributedSampler, accelerate's shards) passes
   through; if it moves, the shard audit says it has no evidence rather than breaking the probe.
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.script import clipping, refusals, seeds, step_facts
+from healthcheck.integrations.script.lockstep import compared_first
 from healthcheck.measure.distributed import terminable_while_joining
 from healthcheck.measure.wait_clock import counted_as_waiting
 
@@ -89,15 +91,20 @@ class Patches:
 
 
 def _clipped(session: Any, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> None:
-    if session.clips.observe(name, parameters, args, kwargs):  # the model's gradients, before the first step
-        session.fsdp.at_clip()  # FSDP2: the clip's norm is a collective, so the ranks first compare where they are
+    if session.clips.observe(name, parameters, args, kwargs) and session.model is not None and session.fsdp.root is session.model:
+        session.lockstep.at("clip")  # FSDP2's: the norm is a collective, so the ranks first compare where they are
+
+
+def _collective(session: Any, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A script's collective: waiting on the others, and before the first update a place the ranks compare."""
+    return compared_first(counted_as_waiting(original, lambda: session.waiting()), name, lambda: session.lockstep)
 
 
 def install(session: Any) -> Patches:
     """Install every patch, calling ``session.on_ddp(ddp)``, ``session.on_fully_shard(module)``, ``session.on_process_group()``,
     ``session.loaders.on_fetch(iterator, indices)``, ``session.loaders.on_batch(iterator, batch)``,
     ``session.owns_comm_hook(ddp)``, ``session.waiting()`` and ``session.clips.observe(...)`` with
-    ``session.fsdp.at_clip()``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
+    ``session.lockstep``, ``session.seeds.record(...)``, ``session.scales.observe(...)`` and
     ``session.on_scaler_step(optimizer)``."""
     import random
 
@@ -200,7 +207,7 @@ def install(session: Any) -> Patches:
         patches.wrap(torch_mp, "start_processes", no_spawn)
         for name in BLOCKING_COLLECTIVES:
             # Looked up per call, as the other patches call back: a session that never meets a collective need not have it.
-            patches.wrap(dist, name, lambda original: counted_as_waiting(original, lambda: session.waiting()))
+            patches.wrap(dist, name, functools.partial(_collective, session, name))
         patches.wrap(dataloader._BaseDataLoaderIter, "_next_index", seen_by(lambda it, indices: session.loaders.on_fetch(it, indices)))
         patches.wrap(dataloader._BaseDataLoaderIter, "__next__", seen_by(lambda it, batch: session.loaders.on_batch(it, batch)))
         clipping.patch(patches, lambda *call: _clipped(session, *call))

@@ -1,22 +1,23 @@
 """A probe of an unmodified training script: its optimizer steps become the probe's steps.
 
-On every worker, before the script runs, :class:`ScriptSession` installs its patches
-(:mod:`.patches`) and two global optimizer hooks. Then, with nothing imported from healthcheck:
+On every worker, before the script runs, :class:`ScriptSession` installs its patches (:mod:`.patches`) and two
+global optimizer hooks. Then, with nothing imported from healthcheck:
 
-* every ``DistributedDataParallel`` the script builds gets the :class:`WorkerConsistencyMonitor`, the
-  loss capture (:mod:`healthcheck.integrations.loss_capture`) and the audits' recorder. A model sharded
-  with FSDP2 (``fully_shard`` on blocks, then on the root) gets the same: the outermost sharded module
-  is the root, the loss capture watches it from when it is sharded, and the monitor takes its
-  reduce-scatters at its first training forward (when every ``fully_shard`` call has been made);
-* an optimizer step that updates the monitored model's parameters is a probe step (other optimizers stepping before the
-  next backward join it: :mod:`.updates`). Before it runs (after the synchronising backward) the monitor gathers the
-  step's metrics; after it, parameter hashes are compared on check steps;
-* at the first step, what every rank trains with (seeds and RNG at the first training forward, the
-  environment, its loss and clipping settings, the first step's DataLoader indices) is gathered and judged at once, and so are the
+* every ``DistributedDataParallel`` the script builds gets the :class:`WorkerConsistencyMonitor`, the loss capture
+  (:mod:`healthcheck.integrations.loss_capture`) and the audits' recorder. A model sharded with FSDP2 (``fully_shard``
+  on blocks, then on the root) gets the same: the outermost sharded module is the root, the loss capture watches it
+  from when it is sharded, and the monitor takes its reduce-scatters at its first training forward (when every
+  ``fully_shard`` call has been made);
+* until the first update the ranks compare where they are at every place they must meet (:mod:`.lockstep`);
+* an optimizer step that updates the monitored model's parameters is a probe step (other optimizers stepping before
+  the next backward join it: :mod:`.updates`). Before it runs (after the synchronising backward) the monitor gathers
+  the step's metrics; after it, parameter hashes are compared on check steps;
+* at the first step, what every rank trains with (seeds and RNG at the first training forward, the environment, its
+  loss and clipping settings, the first step's DataLoader indices) is gathered and judged at once, and so are the
   parameter hashes on check steps: with fail fast, a decisive failure ends the probe there;
-* after ``train.steps`` steps (or a non-finite step, or a decisive failure) every rank gathers its
-  evidence, then :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same
-  step on every rank, before any saving or evaluation that follows the loop.
+* after ``train.steps`` steps (or a non-finite step, or a decisive failure) every rank gathers its evidence, then
+  :class:`ProbeComplete` unwinds the script from inside ``optimizer.step()``: at the same step on every rank, before
+  any saving or evaluation that follows the loop.
 
 The run layer supplies heartbeats, faults and row writing through :class:`SessionHooks`.
 """
@@ -30,6 +31,7 @@ from typing import Any, ContextManager, Optional
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
+from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe, refusals
 from healthcheck.integrations.script.clipping import ClipRecorder
@@ -37,13 +39,14 @@ from healthcheck.integrations.script.closures import ClosureSteps
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.grad_start import GradientStart
 from healthcheck.integrations.script.loaders import LoaderRecorder
+from healthcheck.integrations.script.lockstep import LOCKSTEP, Lockstep
 from healthcheck.integrations.script.monitor_start import make_monitor
 from healthcheck.integrations.script.patches import install
 from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss, unavailable
 from healthcheck.integrations.script.scaler_skips import PendingSkip, overflowed_in_part, persistent_overflow
 from healthcheck.integrations.script.seeds import SeedCalls
 from healthcheck.integrations.script.session_hooks import ProbeComplete, SessionHooks
-from healthcheck.integrations.script.shard_agreement import LOCKSTEP, sharding_facts
+from healthcheck.integrations.script.shard_agreement import sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.integrations.script.step_facts import ScaleRecorder, step_facts
 from healthcheck.integrations.script.updates import UpdateSteps
@@ -68,7 +71,8 @@ class ScriptSession:
         self.loaders = LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root
         self.monitor: Any = None
-        self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_at_start)
+        self.lockstep = Lockstep(lambda outcome: self._stop_at_start(self.model if self.model is not None else self.fsdp.root, outcome))
+        self.fsdp = ShardedRoot(self.capture.watch, self._start_sharded, self._stop_at_start, self.lockstep)
         self._keeper: Optional[BatchKeeper] = None  #: the first training forward's inputs, per step
         self._replay: Any = None  #: the replay audit's rounds (run layer), once the first step shows they can run
         self.audit: Optional[AuditRecorder] = None
@@ -126,7 +130,7 @@ class ScriptSession:
         # The monitor is made at the model's first forward, not here: a script registers its own comm hook after
         # wrapping (accelerate's DistributedDataParallelKwargs(comm_hook=...) does), and the monitor must see it.
         self._ddp_start = ddp.register_forward_pre_hook(self._start_ddp)
-        self._handles.append(self._ddp_start)
+        self._handles += [self._ddp_start, ddp.register_forward_pre_hook(eager(self.lockstep.ddp_forward))]
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)
@@ -179,10 +183,10 @@ class ScriptSession:
         self.hooks.install_faults(module)
 
     def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
-        """The FSDP2 ranks cannot train together (:mod:`.shard_agreement`): they shard differently (before the first
-        all-gather) or are not at the same forward or step before the first update. Every rank ends the probe there,
-        at step 0, the environment audit failing on the facts that differ; seeds and shards are judged on the first
-        forward's RNG and the fetched batches."""
+        """The ranks cannot train together: FSDP2 ranks shard differently (:mod:`.shard_agreement`), or ranks are not at
+        the same place before the first update (:mod:`.lockstep`). Every rank ends the probe there, at step 0, the
+        environment audit failing on the facts that differ; seeds and shards are judged on the first forward's RNG
+        and the fetched batches."""
         facts = self.forwards.facts or self._first_forward_facts(module)
         self.model = module
         if self.audit is None:
@@ -192,8 +196,8 @@ class ScriptSession:
                 extra={"model_dtype": facts["model_dtype"], **facts["module"], **sharding_facts(module)},
             )
             self.audit.rng["rng_start"] = facts["rng"]
-        if self.fsdp.fact is not None:
-            self.audit.extra[LOCKSTEP] = self.fsdp.fact
+        if self.lockstep.fact is not None:
+            self.audit.extra[LOCKSTEP] = self.lockstep.fact
         loader = self.loaders.training_loader()
         info, _ = observe.rank_info(facts, loader.plan if loader else None, self.monitor)
         self._all_ranks = [RankInfo.model_validate(item) for item in hdist.all_gather_objects(info.model_dump())]
@@ -244,8 +248,7 @@ class ScriptSession:
         if self._keeper is not None:  # before the start's gather: a script reading no DataLoader is judged at step 0
             self.loaders.on_step_inputs(step, self._keeper.batch)
         if step == 0:
-            if self.fsdp.root is self.model:
-                self.fsdp.at_first_update()  # collective: a rank that is not at this step stops every rank
+            self.lockstep.first_update()  # collective: a rank that is not at this step stops every rank
             self._start(optimizer)
             if self.fail_fast.stop is not None:  # decided before the first update: no parameter moves
                 self._depth -= 1
@@ -407,14 +410,8 @@ class ScriptSession:
             return
         device_type = self._all_ranks[0].device.split(":")[0] if self._all_ranks else "cpu"
         self.report = WorkerReport(
-            evidence=evidence,
-            ranks=self._all_ranks,
-            device_type=device_type,
-            device_reason=f"the script placed its model on {device_type}",
-            backend=str(dist.get_backend()),
-            world_size=dist.get_world_size(),
-            startup_s=self._first_step_at - self.started_at,
-            train_s=time.perf_counter() - self._train_started,
-            steps_completed=self.steps_done,
-            stopped_early=self.fail_fast.stop,
+            evidence=evidence, ranks=self._all_ranks, device_type=device_type,
+            device_reason=f"the script placed its model on {device_type}", backend=str(dist.get_backend()),
+            world_size=dist.get_world_size(), startup_s=self._first_step_at - self.started_at,
+            train_s=time.perf_counter() - self._train_started, steps_completed=self.steps_done, stopped_early=self.fail_fast.stop,
         )

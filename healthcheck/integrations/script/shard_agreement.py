@@ -13,11 +13,8 @@ So the root's first forward first exchanges these facts (one small gather, befor
 hook). When they disagree no rank can train past that all-gather, so every rank stops there, fail fast or not,
 with the environment audit's finding naming the rank that differs (exit 1), instead of a crash.
 
-The same holds for the order of forwards and updates until the first optimizer step (:func:`lockstep_fact`): a
-rank with its own gradient accumulation runs a forward, and its all-gathers, while the others reduce-scatter,
-clip (the norm of sharded gradients is an all-reduce) or step, and the ranks hung until ``distributed.timeout_s``
-(exit 3). So until then every root forward, clip and the first step exchange where the rank is, and the ranks
-stop as soon as they are not at the same place.
+The order of forwards, clips and updates before the first optimizer step is compared in the same way
+(:mod:`.lockstep`).
 """
 
 from __future__ import annotations
@@ -28,13 +25,10 @@ from typing import Any
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.exact_audits import environment_audit
 from healthcheck.measure import distributed as hdist
-from healthcheck.measure.fsdp_internals import gradient_sync, group_settings
+from healthcheck.measure.fsdp_internals import group_settings
 
 #: The settings that change the size or the number of FSDP2's collectives.
 COLLECTIVE_SETTINGS = ("fsdp.param_dtype", "fsdp.reduce_dtype", "fsdp.reshard_after_forward")
-#: The environment fact that says where a rank is before its first update (:func:`lockstep_fact`).
-LOCKSTEP = "train.before_first_update"
-_PLACES = {"step": "optimizer step", "clip": "gradient clipping"}
 
 
 def sharding_facts(root: Any) -> dict[str, str]:
@@ -67,28 +61,3 @@ def _numel(shape: tuple[int, ...]) -> int:
 def check_agreement(root: Any) -> AuditOutcome:
     """Collective: gather every rank's :func:`sharding_facts` and compare them (the same outcome on every rank)."""
     return environment_audit(hdist.all_gather_objects(sharding_facts(root)))
-
-
-def lockstep_fact(root: Any, *, forwards: int, at: str = "forward") -> str:
-    """Where this rank is before its first update: at the optimizer step or a gradient clip (``at``: "step",
-    "clip") after ``forwards`` forwards of the root, or at forward ``forwards`` (with autograd on or not, and
-    whether its backward reduce-scatters).
-
-    >>> import torch
-    >>> lockstep_fact(torch.nn.Linear(2, 2), forwards=2), lockstep_fact(None, forwards=2, at="step")
-    ('forward 2 (gradient sync on)', 'optimizer step after 2 forwards')
-    >>> lockstep_fact(None, forwards=2, at="clip")
-    'gradient clipping after 2 forwards'
-    """
-    import torch
-
-    if at != "forward":
-        return f"{_PLACES[at]} after {forwards} forward{'' if forwards == 1 else 's'}"
-    if not torch.is_grad_enabled():
-        return f"forward {forwards} (no grad)"
-    return f"forward {forwards} (gradient sync {gradient_sync(root)})"
-
-
-def check_lockstep(fact: str) -> AuditOutcome:
-    """Collective: gather every rank's :func:`lockstep_fact` and compare them (the same outcome on every rank)."""
-    return environment_audit(hdist.all_gather_objects({LOCKSTEP: fact}))

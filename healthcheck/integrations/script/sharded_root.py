@@ -5,9 +5,7 @@ unless it sits inside the current root (a block sharded after its parent). Until
 candidate takes over the loss capture and the forward pre-hooks from the previous one. At the root's first
 forward the ranks first compare how they shard (:mod:`.shard_agreement`, ahead of FSDP2's own pre-forward hook,
 whose all-gather a disagreement breaks); at its first training forward every sharded module must lie inside it.
-Until the first update, every root forward, each clip of the root's gradients and that update also compare where
-each rank is (a rank with its own gradient accumulation would all-gather while the others reduce-scatter, clip or
-step).
+Until the first update every root forward, there too, also compares where each rank is (:mod:`.lockstep`).
 """
 
 from __future__ import annotations
@@ -16,7 +14,8 @@ from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.eager import eager
-from healthcheck.integrations.script.shard_agreement import check_agreement, check_lockstep, lockstep_fact
+from healthcheck.integrations.script.lockstep import Lockstep
+from healthcheck.integrations.script.shard_agreement import check_agreement
 from healthcheck.judge.audit_outcome import AuditOutcome
 
 
@@ -26,9 +25,9 @@ class ShardedRoot:
     Args:
         watch: Starts the loss capture on a module; returns the handles that stop it.
         on_training: ``(root, forward args, forward kwargs)`` at the root's first training forward (FSDP2's lazy init has run).
-        on_disagreement: ``(root, outcome)`` when the ranks shard differently, before any all-gather, or are not
-            at the same forward or step before the first update; it must end the run (no rank can train past
-            the next all-gather).
+        on_disagreement: ``(root, outcome)`` when the ranks shard differently, before any all-gather; it must end
+            the run (no rank can train past the next all-gather).
+        lockstep: Where the ranks are before the first update, told of every root forward.
     """
 
     def __init__(
@@ -36,16 +35,15 @@ class ShardedRoot:
         watch: Callable[[Any], list[Any]],
         on_training: Callable[[Any, Any, dict], None],
         on_disagreement: Callable[[Any, AuditOutcome], None],
+        lockstep: Lockstep,
     ):
         self._watch, self._on_training, self._on_disagreement = watch, on_training, on_disagreement
+        self.lockstep = lockstep
         self.root: Any = None  #: the outermost module sharded so far (the root, once training starts)
         self.sharded: list[Any] = []  #: every module passed to fully_shard
         self.pre_shard: list[tuple[str, int]] = []  #: (name, bit hash) of the weights before fully_shard sliced them
         self.started = False
-        self.forwards = 0  #: root forwards before the first update
-        self.fact: str | None = None  #: where this rank last said it was (:func:`.shard_agreement.lockstep_fact`)
         self._agreed = False
-        self._updated = False
         self._handles: list[Any] = []
 
     def before(self, module: Any) -> None:
@@ -70,7 +68,11 @@ class ShardedRoot:
         ]
 
     def _before_all_gather(self, module: Any, args: Any) -> None:
-        if self._updated:
+        import torch
+
+        from healthcheck.measure.fsdp_internals import gradient_sync
+
+        if self.lockstep.updated:
             return
         if not self._agreed:
             self._agreed = True
@@ -79,29 +81,7 @@ class ShardedRoot:
                 self.started = True
                 self._on_disagreement(module, outcome)
                 return
-        self.forwards += 1
-        self._compare(module)
-
-    def at_clip(self) -> None:
-        """A clip of the trained model's gradients (the caller checks whose) before the first update. Under FSDP2 it
-        is a collective (the norm is all-reduced over the shards), which a rank still at a forward (its own gradient
-        accumulation, with a reduce-scatter per micro-batch: the Trainer's and accelerate's FSDP2 default) would
-        meet with an all-gather: the ranks hung until ``distributed.timeout_s``. So they compare where they are
-        first. A DDP model has no root here: nothing to compare."""
-        if self.started and not self._updated and self.root is not None:
-            self._compare(self.root, at="clip")
-
-    def at_first_update(self) -> None:
-        """The first optimizer step (a collective): the ranks compare where they are a last time."""
-        self._updated = True
-        self._compare(self.root, at="step")
-
-    def _compare(self, module: Any, *, at: str = "forward") -> None:
-        self.fact = lockstep_fact(module, forwards=self.forwards, at=at)
-        outcome = check_lockstep(self.fact)  # collective, at the same place on every rank until one differs
-        if not outcome.passed:
-            self.started = True
-            self._on_disagreement(module, outcome)
+        self.lockstep.forward(gradient_sync(module) if torch.is_grad_enabled() else None)
 
     def _first_training_forward(self, module: Any, args: Any, kwargs: dict) -> None:
         import torch

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from healthcheck.errors import InvalidInput
+from healthcheck.integrations.script import lockstep as lockstep_module
 from healthcheck.integrations.script import sharded_root
 from healthcheck.integrations.script.clipping import ClipRecorder
+from healthcheck.integrations.script.lockstep import Lockstep
 from healthcheck.integrations.script.patches import _clipped
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.judge.audit_outcome import AuditOutcome
@@ -23,10 +25,11 @@ class Calls:
     def __init__(self, monkeypatch, outcome, lockstep=lambda fact: AGREE):
         self.watched, self.training, self.disagreed, self.compared, self.facts = [], [], [], 0, []
         monkeypatch.setattr(sharded_root, "check_agreement", self._compare)
-        monkeypatch.setattr(sharded_root, "check_lockstep", lambda fact: self.facts.append(fact) or lockstep(fact))
+        monkeypatch.setattr(lockstep_module, "check_lockstep", lambda fact: self.facts.append(fact) or lockstep(fact))
         self.outcome = outcome
+        self.lockstep = Lockstep(lambda outcome: self.disagreed.append((self.root.root, outcome)))
         self.root = ShardedRoot(self._watch, lambda module, args, kwargs: self.training.append(module),
-                                lambda module, outcome: self.disagreed.append((module, outcome)))
+                                lambda module, outcome: self.disagreed.append((module, outcome)), self.lockstep)
 
     def _watch(self, module):
         self.watched.append(module)
@@ -57,7 +60,7 @@ def test_the_module_sharded_last_is_the_root_and_a_block_sharded_after_it_does_n
     model(torch.ones(1, 2))
     assert calls.training == [model] and calls.compared == 1 and calls.disagreed == []
     # Until the first update every root forward, and that update, say where the rank is; after it nothing does.
-    calls.root.at_first_update()
+    calls.lockstep.first_update()
     model(torch.ones(1, 2))
     assert calls.facts == ["forward 1 (no grad)", "forward 2 (gradient sync on)", "forward 3 (gradient sync on)",
                            "optimizer step after 3 forwards"]
@@ -69,7 +72,7 @@ def test_ranks_at_different_places_before_the_first_update_end_the_run(monkeypat
     calls.root.add(model)
     model(torch.ones(1, 2))
     model(torch.ones(1, 2))
-    assert calls.disagreed == [(model, DIFFER)] and calls.root.fact == "forward 2 (gradient sync on)"
+    assert calls.disagreed == [(model, DIFFER)] and calls.lockstep.fact == "forward 2 (gradient sync on)"
 
 
 def test_ranks_that_shard_differently_end_the_run_before_training_starts(monkeypatch):
@@ -96,21 +99,23 @@ def test_a_clip_of_the_roots_gradients_before_the_first_update_compares_where_th
     calls, model, other = Calls(monkeypatch, AGREE, lockstep=behind), _model(), torch.nn.Linear(2, 2)
     calls.root.add(model)
     # What the clip patch calls: the recorder says whether the model's gradients were clipped (patches._clipped).
-    session = SimpleNamespace(clips=ClipRecorder(lambda: {id(p) for p in model.parameters()}), fsdp=calls.root)
+    session = SimpleNamespace(clips=ClipRecorder(lambda: {id(p) for p in model.parameters()}), fsdp=calls.root,
+                              lockstep=calls.lockstep, model=None)
     _clipped(session, "clip_grad_norm_", list(model.parameters()), (1.0,), {})  # before training started: nothing
     model(torch.ones(1, 2))
     model(torch.ones(1, 2))
+    session.model = model  # the session's trained model from its first training forward
     _clipped(session, "clip_grad_norm_", list(other.parameters()), (1.0,), {})  # not the root's: no collective of FSDP2's
     assert calls.disagreed == []
     _clipped(session, "clip_grad_norm_", list(model.parameters()), (1.0,), {})
-    assert calls.disagreed == [(model, DIFFER)] and calls.root.fact == "gradient clipping after 2 forwards"
+    assert calls.disagreed == [(model, DIFFER)] and calls.lockstep.fact == "gradient clipping after 2 forwards"
 
 
 def test_clips_are_compared_until_the_first_update_only(monkeypatch):
     calls, model = Calls(monkeypatch, AGREE), _model()
     calls.root.add(model)
     model(torch.ones(1, 2))
-    calls.root.at_clip()
-    calls.root.at_first_update()
-    calls.root.at_clip()
+    calls.lockstep.at("clip")
+    calls.lockstep.first_update()
+    calls.lockstep.at("clip")
     assert calls.facts == ["forward 1 (gradient sync on)", "gradient clipping after 1 forward", "optimizer step after 1 forward"]

@@ -1,0 +1,150 @@
+"""Until the first update, where each rank is, compared wherever the ranks must meet next.
+
+Before its first optimizer step a rank with its own gradient accumulation (a per-node ``gradient_accumulation_steps``)
+runs a forward while the others reduce, clip or step. Their next collectives do not pair: DDP's gradient all-reduce
+meets a script's ``all_gather``, FSDP2's all-gather meets a clip's all-reduce, and the ranks crash in gloo (``Received
+data size doesn't match``) or hang until ``distributed.timeout_s``: exit 3, and no rank named. A plain accelerate loop
+that gathers each micro-batch's loss for logging, with 4 micro-batches on one rank and 2 on the others, ended so under
+DDP (after the timeout) and under FSDP2. So until then each rank says where it is (:func:`lockstep_fact`) and the ranks
+compare it (one small gather):
+
+* at every forward of the trained model: under FSDP2 every root forward (each all-gathers), under DDP every forward
+  with autograd on (each prepares a gradient all-reduce, or none under ``no_sync``);
+* at each clip of an FSDP2 model's gradients (the norm of sharded gradients is an all-reduce);
+* at each collective the script calls itself on the default group (:func:`compared_first`), once it trains;
+* at the first update.
+
+Where they differ every rank stops there (exit 1), the environment audit naming the rank that differs. After the
+first update nothing is compared: the per-step exchange and the audits take over.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any, Callable, Optional
+
+from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.exact_audits import environment_audit
+from healthcheck.measure import distributed as hdist
+
+#: The environment fact that says where a rank is before its first update (:func:`lockstep_fact`).
+LOCKSTEP = "train.before_first_update"
+_PLACES = {"step": "optimizer step", "clip": "gradient clipping"}
+
+
+def lockstep_fact(forwards: int, at: str = "forward", sync: Optional[str] = None) -> str:
+    """Where a rank is: at forward ``forwards`` (its backward's gradient sync "on" or "off", None without
+    autograd), or after that many forwards at the optimizer step, a clip, or one of the script's collectives.
+
+    >>> lockstep_fact(2, sync="on"), lockstep_fact(3)
+    ('forward 2 (gradient sync on)', 'forward 3 (no grad)')
+    >>> lockstep_fact(2, "step"), lockstep_fact(1, "clip")
+    ('optimizer step after 2 forwards', 'gradient clipping after 1 forward')
+    >>> lockstep_fact(2, "all_gather_into_tensor")
+    "the script's torch.distributed.all_gather_into_tensor after 2 forwards"
+    """
+    if at == "forward":
+        return f"forward {forwards} ({'no grad' if sync is None else f'gradient sync {sync}'})"
+    place = _PLACES.get(at) or f"the script's torch.distributed.{at}"
+    return f"{place} after {forwards} forward{'' if forwards == 1 else 's'}"
+
+
+def check_lockstep(fact: str) -> AuditOutcome:
+    """Collective: gather every rank's :func:`lockstep_fact` and compare them (the same outcome on every rank)."""
+    return environment_audit(hdist.all_gather_objects({LOCKSTEP: fact}))
+
+
+class Lockstep:
+    """This rank's place before its first update, compared at each of the places in the module docstring.
+
+    Args:
+        on_disagreement: Called with the failed comparison; it must end the run (the ranks' next collectives do not
+            pair).
+    """
+
+    def __init__(self, on_disagreement: Callable[[AuditOutcome], None]):
+        self._on_disagreement = on_disagreement
+        self.forwards = 0  #: forwards of the trained model so far
+        self.fact: Optional[str] = None  #: where this rank last said it was
+        self.training = False  #: a forward with autograd ran: the script's collectives are compared from here
+        self.updated = False
+
+    def forward(self, sync: Optional[str]) -> None:
+        """A forward of the trained model: ``sync`` "on" or "off" (its backward reduces or not), None without autograd."""
+        if self.updated:
+            return
+        self.forwards += 1
+        self.training = self.training or sync is not None
+        self._compare(lockstep_fact(self.forwards, sync=sync))
+
+    def ddp_forward(self, ddp: Any, args: Any) -> None:
+        """A forward pre-hook of the DDP model: with autograd on, the forward prepares DDP's gradient all-reduce, or
+        (``no_sync``) none. One without is no training forward, and no rank need run it."""
+        import torch
+
+        if torch.is_grad_enabled():
+            self.forward("on" if ddp.require_backward_grad_sync else "off")
+
+    def at(self, place: str) -> None:
+        """A clip ("clip") or one of the script's collectives (its name), once training started."""
+        if self.training and not self.updated:
+            self._compare(lockstep_fact(self.forwards, place))
+
+    def first_update(self) -> None:
+        """The first optimizer step: compared a last time."""
+        if not self.updated:
+            self.updated = True
+            self._compare(lockstep_fact(self.forwards, "step"))
+
+    def _compare(self, fact: str) -> None:
+        self.fact = fact
+        outcome = check_lockstep(fact)  # collective, at the same place on every rank until one differs
+        if not outcome.passed:
+            self._on_disagreement(outcome)
+
+
+def compared_first(method: Callable[..., Any], name: str, lockstep: Callable[[], Lockstep]) -> Callable[..., Any]:
+    """``method``, the ``torch.distributed`` collective ``name``: called by the script on the default group before
+    the first update, the ranks first compare where they are.
+
+    Only the script's calls: healthcheck's own and torch's (FSDP2's, SyncBatchNorm's) sit at the same place on every
+    rank by construction. A call on another group is left alone: the ranks outside it rightly skip it.
+
+    >>> __name__ = "train"  # this example's calls come from a script's module
+    >>> steps = Lockstep(print)
+    >>> steps.training, steps._compare = True, print
+    >>> compared_first(lambda tensor, group=None: tensor, "all_reduce", lambda: steps)(1)
+    the script's torch.distributed.all_reduce after 0 forwards
+    1
+    >>> compared_first(lambda tensor, group=None: tensor, "all_reduce", lambda: steps)(1, group=object())
+    1
+    """
+    try:
+        position: Optional[int] = list(inspect.signature(method).parameters).index("group")
+    except ValueError:  # no group argument (a barrier of another torch): the default group
+        position = None
+
+    @functools.wraps(method)
+    def compared(*args: Any, **kwargs: Any) -> Any:
+        steps = lockstep()
+        if steps.training and not steps.updated and _by_script(sys._getframe(1)) and _default_group(args, kwargs, position):
+            steps.at(name)
+        return method(*args, **kwargs)
+
+    return compared
+
+
+def _by_script(frame: Any) -> bool:
+    module = str(frame.f_globals.get("__name__", ""))
+    return not any(module == root or module.startswith(f"{root}.") for root in ("healthcheck", "torch"))
+
+
+def _default_group(args: tuple, kwargs: dict, position: Optional[int]) -> bool:
+    group = kwargs["group"] if "group" in kwargs else (args[position] if position is not None and len(args) > position else None)
+    if group is None:
+        return True
+    import torch.distributed as dist
+
+    return group is dist.group.WORLD
