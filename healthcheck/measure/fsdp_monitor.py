@@ -53,7 +53,7 @@ import time
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed, fsdp_internals, lateness
+from healthcheck.measure import distributed, free_memory, fsdp_internals, lateness
 from healthcheck.measure.exact_pass import reduction_error
 from healthcheck.measure.metrics import StepMetrics
 from healthcheck.measure.monitor_core import ConsistencyMonitor, sum_partials
@@ -128,6 +128,8 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             dims=[d for p in model.parameters() for d in p.shape],
         )
         self.every_microbatch = bool(reduce_scatter_every_microbatch)
+        if self.every_microbatch and direction == "exact":
+            self._check_room(model, group)
         self._replay_local: Optional[Callable[[int, Any], None]] = None  #: set while a replay runs (:meth:`replaying`)
         self._groups = len(groups)
         self._calls: dict[int, int] = {}
@@ -161,6 +163,18 @@ class FSDPConsistencyMonitor(ConsistencyMonitor):
             gather = gather_class(param_group._all_gather_comm, self._waiting)
             fsdp_internals.install_all_gather(param_group, gather)
             self._gathers.append((param_group, gather))
+
+    def _check_room(self, model: Any, group: Any) -> None:
+        """Collective: refuse keeping every micro-batch's slices where a rank has no room for them (:mod:`.free_memory`)."""
+        needed = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # a DTensor's numel: the unsharded one
+        device = next(iter(model.parameters())).device
+        short = free_memory.least_room(needed, distributed.all_gather_objects(free_memory.free_bytes(device), group))
+        if short is not None:
+            raise InvalidInput(
+                f"metrics.exact_keep_microbatches (reduce_scatter_every_microbatch=True) keeps one unsharded fp32 gradient "
+                f"per rank, {free_memory.gib(needed)} for this model, and rank {short[0]} has {free_memory.gib(short[1])} "
+                "free: use metrics.direction=sketch, or call set_requires_gradient_sync(False) on all but the last micro-batch"
+            )
 
     def waiting(self) -> ContextManager[None]:
         """As for the DDP monitor, but the time also counts toward blame (:meth:`_complete`): a rank that is slow

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from healthcheck.errors import InvalidInput
-from healthcheck.measure import distributed
+from healthcheck.measure import distributed, free_memory
 from healthcheck.measure.monitor import WorkerConsistencyMonitor
 from healthcheck.run import launcher
 
@@ -187,6 +187,16 @@ def _worker():
             results["refused"] = ""
         except InvalidInput as exc:  # a plain RuntimeError (a crash) would fail the test
             results["refused"] = str(exc)
+        # Keeping every micro-batch's slices needs an unsharded gradient's room on every rank: asked up front, on all.
+        real = free_memory.free_bytes
+        free_memory.free_bytes = lambda device: 1000 if distributed.rank() == 1 else real(device)
+        try:
+            WorkerConsistencyMonitor(_sharded(), direction="exact", reduce_scatter_every_microbatch=True)
+            results["no-room"] = ""
+        except InvalidInput as exc:
+            results["no-room"] = str(exc)
+        finally:
+            free_memory.free_bytes = real
         try:  # FSDP2 reduce-scatters: no all-reduce could carry the step's numbers
             WorkerConsistencyMonitor(_sharded(), exchange="carry")
             results["carry"] = ""
@@ -236,6 +246,13 @@ def test_metrics_match_the_float64_reference(outcome, case):
 
 def test_exact_mode_refuses_per_microbatch_reduce_scatters_without_the_flag(outcome):
     assert "reduce_scatter_every_microbatch=True" in outcome["refused"]
+
+
+def test_keeping_every_micro_batchs_slices_is_refused_on_every_rank_where_one_has_no_room(outcome):
+    message = outcome["no-room"]  # rank 0's: it has room, and refuses with rank 1
+    assert message.startswith("metrics.exact_keep_microbatches (reduce_scatter_every_microbatch=True) keeps one "
+                              "unsharded fp32 gradient per rank, "), message
+    assert "and rank 1 has 0.000 GiB free: use metrics.direction=sketch" in message, message
 
 
 def test_carrying_the_rows_in_an_all_reduce_is_refused(outcome):
