@@ -159,15 +159,21 @@ def pack_fingerprint(grads: Sequence[Any], params: Sequence[Any], loss: Any, ske
     grad_hashes = torch.stack([tensor_bit_hash(g) for g in grads])
     param_hash = tensor_bit_hash(torch.stack([tensor_bit_hash(p) for p in params]))
     sqnorm = torch.stack([g.detach().to(torch.float64).square().sum() for g in grads]).sum()
-    scalars = torch.stack([loss.detach().to(torch.float64), sqnorm]).view(torch.int64)
-    parts = [grad_hashes, param_hash.reshape(1), scalars]
+    sketch = None
     if sketcher is not None:
         sketch = torch.zeros(sketcher.dim, dtype=torch.float32, device=loss.device)
         for index, g in enumerate(grads):
             sketch += sketcher(index, g.detach().reshape(-1).float())
-        if sketch.numel() % 2:
-            sketch = torch.cat([sketch, sketch.new_zeros(1)])
-        parts.append(sketch.view(torch.int64))
+    return fingerprint_row(grad_hashes, param_hash, loss, sqnorm, sketch)
+
+
+def fingerprint_row(grad_hashes: Any, param_hash: Any, loss: Any, sqnorm: Any, sketch: Optional[Any]) -> Any:
+    """The layout :meth:`ReplayTable.unpack` reads: the gradient hashes, the parameter hash, the loss and ‖g‖² as
+    float64 bits, then the fp32 sketch (padded to an even length) as int64 pairs."""
+    scalars = torch.stack([loss.detach().to(torch.float64), sqnorm]).view(torch.int64)
+    parts = [grad_hashes, param_hash.reshape(1), scalars]
+    if sketch is not None:
+        parts.append((sketch if sketch.numel() % 2 == 0 else torch.cat([sketch, sketch.new_zeros(1)])).view(torch.int64))
     return torch.cat(parts)
 
 

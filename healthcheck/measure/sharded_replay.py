@@ -29,7 +29,7 @@ import torch
 from healthcheck.measure import fsdp_internals
 from healthcheck.measure.bit_hash import tensor_bit_hash
 from healthcheck.measure.fsdp_internals import keep_for_default_stream as keep
-from healthcheck.measure.replay import DifferenceSums, GradientReplay, LocalReplay, replay_rng, replay_seed
+from healthcheck.measure.replay import DifferenceSums, GradientReplay, LocalReplay, fingerprint_row, replay_rng, replay_seed
 
 
 @dataclasses.dataclass
@@ -97,10 +97,8 @@ class ShardedGradientReplay(GradientReplay):
         loss = self._run(step, batch, on_local)
         # The parameters are all-gathered from one set of shards, so every rank replays from the same ones: no
         # parameter hash to compare (a shard that drifted is sharded_state's finding).
-        parts = [torch.stack(hashes), zero.reshape(1), torch.stack([loss.to(torch.float64), sqnorm]).view(torch.int64)]
-        if sketch is not None:
-            parts.append((sketch if sketch.numel() % 2 == 0 else torch.cat([sketch, sketch.new_zeros(1)])).view(torch.int64))
-        return LocalReplay(grads=_Rerun(step, batch, sketch, sqnorm), fingerprint=torch.cat(parts), seconds=time.perf_counter() - start)
+        fingerprint = fingerprint_row(torch.stack(hashes), zero, loss, sqnorm, sketch)
+        return LocalReplay(grads=_Rerun(step, batch, sketch, sqnorm), fingerprint=fingerprint, seconds=time.perf_counter() - start)
 
     def spread(self, again: LocalReplay, first: LocalReplay) -> float:
         """‖g_again − g_first‖ / ‖g_first‖ from the two replays' sketches (relative error ~sqrt(2/p))."""
