@@ -20,7 +20,7 @@ from healthcheck.errors import BaselineError
 from healthcheck.judge.baseline import fit_baseline, history_path, load_baseline, save_baseline
 from tests.synthetic_runs import clean_runs, fitted
 
-KILLS = 30
+KILLS = 15  # each a fresh writer process (~0.4 s to import), killed at a random point of its writes
 
 WRITER = textwrap.dedent(
     """
