@@ -32,7 +32,10 @@ Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
 loader and prints a sanity loss of the unwrapped model in eval mode, without ``no_grad``, before training, and
-an example it picks with ``random.choice`` (python's generator, which ``--set-seed`` seeds on every rank).
+an example it picks with ``random.choice`` (python's generator, which ``--set-seed`` seeds on every rank). With
+``--look-first-through-ddp`` the sanity loss is the DDP model's under ``no_grad``, as a script that logs a first
+validation loss on rank 0 computes it: that forward broadcasts the model's buffers, and torch pairs the broadcast
+with the others' first training forward's.
 
 ``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
 
@@ -57,6 +60,7 @@ decoder's 2-D weight matrices and AdamW for the embeddings, the head and the nor
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -197,12 +201,14 @@ class Trainer:
         print(f"[GPU{self.rank}] validation loss {loss.item():.4f}", flush=True)
         self.model.train()
 
-    def look_first(self):
+    def look_first(self, through_ddp=False):
         """A sanity loss on one batch before training (the iterator draws a seed from torch's generator), and a
         random example to eyeball (a draw from python's generator on this rank alone)."""
         self.model.module.eval()
         input_ids, attn, labels = next(iter(self.train_data))
-        loss = self.model.module(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        with torch.no_grad() if through_ddp else contextlib.nullcontext():
+            model = self.model if through_ddp else self.model.module
+            loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         print(f"[GPU{self.rank}] sanity loss before training {loss.item():.4f}", flush=True)
         example = random.choice(self.train_data.dataset.items)[0]
         print(f"[GPU{self.rank}] an example: {len(example)} tokens, starting {example[:8]}", flush=True)
@@ -245,6 +251,7 @@ def main():
                          "matmul-medium-rank=R, slow-rank=R, loop-shift-rank=R, input-noise-rank=R, no-mask-rank=R or z-loss-rank=R; "
                          "several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
+    ap.add_argument("--look-first-through-ddp", action="store_true", help="that sanity loss on the DDP model, under no_grad")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes, kept across epochs")
     ap.add_argument("--set-seed", action="store_true", help="seed python, numpy and torch with transformers.set_seed")
     ap.add_argument("--stream", action="store_true", help="an IterableDataset that shards itself by rank")
@@ -330,7 +337,7 @@ def main():
                       zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks, val_every=args.val_every,
                       loop_bugs=[bug for bug in ("loop-shift", "input-noise", "no-mask", "z-loss") if faulted(f"{bug}-rank")])
     if rank == args.look_first_rank:
-        trainer.look_first()
+        trainer.look_first(args.look_first_through_ddp)
     trainer.train()
     destroy_process_group()
 

@@ -449,6 +449,21 @@ def test_a_trainer_on_a_stream_passes_under_accelerates_dispatch(tiny_llama, tmp
     assert audits["data_shards"]["message"].startswith("not measured: only rank 0 fetched from a DataLoader")
 
 
+def test_a_rank_that_logs_a_validation_loss_through_ddp_before_training_passes(tiny_llama, tmp_path):
+    # Rank 0 evaluates one batch on the DDP model under no_grad before it trains. DDP's first forward broadcasts the
+    # model's buffers (the Llama's rotary frequencies) with autograd on or off, and torch pairs rank 0's broadcast
+    # with the others' first training forward's: the script runs under torchrun. The ranks compared their place
+    # before DDP's forward, where the others' comparison met rank 0's broadcast, and the probe hung (exit 3).
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
+                               script_args=("--look-first-rank", "0", "--look-first-through-ddp"),
+                               extra=("--set", "distributed.timeout_s=60")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "sanity loss before training" in (out / "logs" / "rank-0.log").read_text()
+    environment = json.loads((out / "result.json").read_text())["audits"]["environment"]
+    assert environment["passed"] and environment["facts"]["train.forwards_in_step_0"] == "1", environment["message"]
+
+
 def test_a_rank_that_looks_at_a_batch_before_training_passes_across_epochs_of_persistent_workers(tiny_llama, tmp_path):
     # One rank computes a sanity loss on its loader's first batch, in eval mode and with autograd on. It was failed
     # (exit 1) three ways: its peek read as an epoch repeating the order (a missing set_epoch), the peek's forward

@@ -9,7 +9,8 @@ DDP (after the timeout) and under FSDP2. So until then each rank says where it i
 compare it (one small gather):
 
 * at every forward of the trained model: under FSDP2 every root forward (each all-gathers), under DDP every forward
-  with autograd on (each prepares a gradient all-reduce, or none under ``no_sync``);
+  with autograd on (each prepares a gradient all-reduce, or none under ``no_sync``), compared inside DDP's forward,
+  after its buffer broadcast (:meth:`Lockstep.attach_ddp` says why);
 * at each clip of an FSDP2 model's gradients (the norm of sharded gradients is an all-reduce);
 * at each collective the script calls itself on the default group (:func:`compared_first`), once it trains;
 * at the first update.
@@ -25,6 +26,7 @@ import inspect
 import sys
 from typing import Any, Callable, Optional
 
+from healthcheck.integrations.eager import eager
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.exact_audits import environment_audit
 from healthcheck.measure import distributed as hdist
@@ -70,6 +72,7 @@ class Lockstep:
         self.fact: Optional[str] = None  #: where this rank last said it was
         self.training = False  #: a forward with autograd ran: the script's collectives are compared from here
         self.updated = False
+        self._inside: Any = None  # the DDP model whose forward runs, until its wrapped module's forward starts
 
     def forward(self, sync: Optional[str]) -> None:
         """A forward of the trained model: ``sync`` "on" or "off" (its backward reduces or not), None without autograd."""
@@ -79,12 +82,32 @@ class Lockstep:
         self.training = self.training or sync is not None
         self._compare(lockstep_fact(self.forwards, sync=sync))
 
-    def ddp_forward(self, ddp: Any, args: Any) -> None:
-        """A forward pre-hook of the DDP model: with autograd on, the forward prepares DDP's gradient all-reduce, or
-        (``no_sync``) none. One without is no training forward, and no rank need run it."""
+    def attach_ddp(self, ddp: Any) -> list[Any]:
+        """Compare each forward of the DDP model ``ddp`` with autograd on; returns the hooks' handles.
+
+        With autograd on a forward prepares DDP's gradient all-reduce, or (``no_sync``) none. One without is no
+        training forward, and no rank need run it: a script that logs a validation loss on rank 0 before it trains
+        does. Yet DDP's first forward broadcasts the module's buffers (a Llama's rotary frequencies), autograd on or
+        not, and torch pairs rank 0's evaluation broadcast with the others' first training forward's. Compared before
+        DDP's forward, the others' comparison met that broadcast, and a script that runs under torchrun hung.
+        Compared in the wrapped module's pre-hook, after the broadcast, every rank has issued the same collectives.
+        A call of the wrapped module itself (``model.module(...)``) runs outside DDP and is left alone.
+        """
+        return [ddp.register_forward_pre_hook(eager(self._entered)),
+                ddp.register_forward_hook(eager(self._left), always_call=True),
+                ddp.module.register_forward_pre_hook(eager(self._ddp_forward), prepend=True)]
+
+    def _entered(self, ddp: Any, args: Any) -> None:
+        self._inside = ddp
+
+    def _left(self, ddp: Any, args: Any, output: Any) -> None:
+        self._inside = None
+
+    def _ddp_forward(self, module: Any, args: Any) -> None:
         import torch
 
-        if torch.is_grad_enabled():
+        ddp, self._inside = self._inside, None
+        if ddp is not None and torch.is_grad_enabled():
             self.forward("on" if ddp.require_backward_grad_sync else "off")
 
     def at(self, place: str) -> None:

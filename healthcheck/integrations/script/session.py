@@ -31,7 +31,6 @@ from typing import Any, ContextManager, Optional
 from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, ReplayEvidence, WorkerReport
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import observe, refusals
 from healthcheck.integrations.script.clipping import ClipRecorder
@@ -130,7 +129,7 @@ class ScriptSession:
         # The monitor is made at the model's first forward, not here: a script registers its own comm hook after
         # wrapping (accelerate's DistributedDataParallelKwargs(comm_hook=...) does), and the monitor must see it.
         self._ddp_start = ddp.register_forward_pre_hook(self._start_ddp)
-        self._handles += [self._ddp_start, ddp.register_forward_pre_hook(eager(self.lockstep.ddp_forward))]
+        self._handles += [self._ddp_start, *self.lockstep.attach_ddp(ddp)]
         self.model = ddp
         self._param_ids = {id(p) for p in ddp.parameters()}
         self.capture.watch(ddp.module)

@@ -3,8 +3,7 @@ fixed outcome per fact)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import pytest
 import torch
 
 from healthcheck.integrations.script import lockstep as lockstep_module
@@ -31,28 +30,64 @@ def _call_from(module, collective, *args, **kwargs):
     return namespace["call"](*args, **kwargs)
 
 
+class Wrapper(torch.nn.Module):
+    """DDP's shape: a wrapper whose forward broadcasts (logged in ``events``) and then calls its ``module``."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.module, self.events, self.require_backward_grad_sync = torch.nn.Linear(2, 2), events, True
+
+    def forward(self, x):
+        self.events.append("broadcast")
+        if x.numel() != 2:
+            raise RuntimeError("failed before its module's forward")
+        return self.module(x)
+
+
+def _attached(monkeypatch, differs=lambda fact: False):
+    compared = Compared(monkeypatch, differs)
+    events = []
+    compare = lockstep_module.check_lockstep  # Compared's
+    monkeypatch.setattr(lockstep_module, "check_lockstep", lambda fact: events.append(fact) or compare(fact))
+    ddp = Wrapper(events)
+    compared.lockstep.attach_ddp(ddp)
+    return compared, ddp, events
+
+
 def test_ddp_training_forwards_say_whether_their_backward_reduces(monkeypatch):
     # A rank with its own accumulation runs its 2nd forward under no_sync while the others' 2nd all-reduces: DDP's
     # all-reduce met that rank's next collective and the ranks hung until distributed.timeout_s.
-    compared = Compared(monkeypatch, differs=lambda fact: fact == "forward 2 (gradient sync off)")
-    steps = compared.lockstep
-    ddp = SimpleNamespace(require_backward_grad_sync=False)
-    steps.ddp_forward(ddp, ())
+    compared, ddp, _ = _attached(monkeypatch, differs=lambda fact: fact == "forward 2 (gradient sync off)")
+    ddp.require_backward_grad_sync = False
+    ddp(torch.ones(2))
     with torch.no_grad():  # an evaluation forward prepares no all-reduce: not a place the ranks must share
-        steps.ddp_forward(ddp, ())
+        ddp(torch.ones(2))
     assert compared.facts == ["forward 1 (gradient sync off)"] and compared.stopped == []
-    steps.ddp_forward(ddp, ())
-    assert compared.stopped == [DIFFER] and steps.fact == "forward 2 (gradient sync off)"
+    ddp(torch.ones(2))
+    assert compared.stopped == [DIFFER] and compared.lockstep.fact == "forward 2 (gradient sync off)"
+
+
+def test_a_ddp_forward_is_compared_after_ddps_own_broadcast_and_the_wrapped_modules_own_calls_are_not(monkeypatch):
+    # Rank 0 logs a validation loss before it trains: its broadcast pairs with the others' first forward's in torch.
+    compared, ddp, events = _attached(monkeypatch)
+    with torch.no_grad():
+        ddp(torch.ones(2))
+    ddp.module(torch.ones(2))  # model.module(...): a sanity loss outside DDP, which no rank need compute
+    ddp(torch.ones(2))
+    assert events == ["broadcast", "broadcast", "forward 1 (gradient sync on)"]
+    with pytest.raises(RuntimeError, match="before its module"):  # it leaves no DDP call pending
+        ddp(torch.ones(3))
+    ddp.module(torch.ones(2))
+    assert compared.facts == ["forward 1 (gradient sync on)"]
 
 
 def test_nothing_is_compared_after_the_first_update(monkeypatch):
-    compared = Compared(monkeypatch)
-    steps = compared.lockstep
-    steps.ddp_forward(SimpleNamespace(require_backward_grad_sync=True), ())
-    steps.first_update()
-    steps.first_update()
-    steps.ddp_forward(SimpleNamespace(require_backward_grad_sync=True), ())
-    steps.at("clip")
+    compared, ddp, _ = _attached(monkeypatch)
+    ddp(torch.ones(2))
+    compared.lockstep.first_update()
+    compared.lockstep.first_update()
+    ddp(torch.ones(2))
+    compared.lockstep.at("clip")
     assert compared.facts == ["forward 1 (gradient sync on)", "optimizer step after 1 forward"]
 
 
