@@ -359,6 +359,32 @@ def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(ti
     assert failed_ranks(out) == {"audit.environment": [1]}
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # The Trainer gathers each step's token count before its forwards; rank 3 does not, and went to its first
+        # forward while the others gathered: gloo aborted on the sizes (exit 3, SIGABRT on rank 0).
+        ("3:average_tokens_across_devices=False",
+         "train.before_first_update differs: ranks 0-2 the script's torch.distributed.all_gather after 0 forwards; "
+         "rank 3 the model's first forward"),
+        # The Trainer gives DDP find_unused_parameters=True for a transformers model; rank 2 all-reduces no
+        # used-parameter map after its backward, and the others waited for it until distributed.timeout_s (exit 3).
+        ("2:ddp_find_unused_parameters=False",
+         "ddp.find_unused_parameters differs: ranks 0-1, 3 True; rank 2 False"),
+    ],
+    ids=["token-count-gather", "find-unused"],
+)
+def test_a_trainer_rank_whose_collectives_differ_is_named_before_its_first_forward(override, message, tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
+                               extra=("--set", "distributed.timeout_s=60"), script_args=("--override", override)))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_early"]["check"] == "environment" and result["steps_completed"] == 0, result["stopped_early"]
+    assert result["audits"]["environment"]["message"] == message
+    assert failed_ranks(out) == {"audit.environment": [int(override[0])]}
+
+
 def test_trl_scaling_one_ranks_loss_is_named_though_its_weights_follow_the_data(tiny_llama, tmp_path):
     # TRL divides by a token count over every rank, so each rank's weight is N_rank / N_all: judged per token.
     # Fail fast stops the probe once 4 steps are judged; their weights arrive a step late, so after 5 of its 12 steps.

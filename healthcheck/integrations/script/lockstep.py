@@ -8,11 +8,13 @@ that gathers each micro-batch's loss for logging, with 4 micro-batches on one ra
 DDP (after the timeout) and under FSDP2. So until then each rank says where it is (:func:`lockstep_fact`) and the ranks
 compare it (one small gather):
 
+* at the model's first forward, before any collective of its own (:meth:`Lockstep.first_forward`);
 * at every forward of the trained model: under FSDP2 every root forward (each all-gathers), under DDP every forward
   with autograd on (each prepares a gradient all-reduce, or none under ``no_sync``), compared inside DDP's forward,
   after its buffer broadcast (:meth:`Lockstep.attach_ddp` says why);
 * at each clip of an FSDP2 model's gradients (the norm of sharded gradients is an all-reduce);
-* at each collective the script calls itself on the default group (:func:`compared_first`), once it trains;
+* at each collective the script calls itself on the default group (:func:`compared_first`), once the data-parallel
+  model exists (:meth:`Lockstep.start`);
 * at the first update.
 
 Where they differ every rank stops there (exit 1), the environment audit naming the rank that differs. After the
@@ -34,6 +36,8 @@ from healthcheck.measure import distributed as hdist
 #: The environment fact that says where a rank is before its first update (:func:`lockstep_fact`).
 LOCKSTEP = "train.before_first_update"
 _PLACES = {"step": "optimizer step", "clip": "gradient clipping"}
+#: Where a rank is at the model's first forward (:meth:`Lockstep.first_forward`), whatever ran before it.
+FIRST_FORWARD = "the model's first forward"
 
 
 def lockstep_fact(forwards: int, at: str = "forward", sync: Optional[str] = None) -> str:
@@ -70,8 +74,9 @@ class Lockstep:
         self._on_disagreement = on_disagreement
         self.forwards = 0  #: forwards of the trained model so far
         self.fact: Optional[str] = None  #: where this rank last said it was
-        self.training = False  #: a forward with autograd ran: the script's collectives are compared from here
+        self.started = False  #: the data-parallel model exists: the script's collectives are compared from here
         self.updated = False
+        self._first = False  # the model's first forward was compared
         self._inside: Any = None  # the DDP model whose forward runs, until its wrapped module's forward starts
 
     def forward(self, sync: Optional[str]) -> None:
@@ -79,8 +84,21 @@ class Lockstep:
         if self.updated:
             return
         self.forwards += 1
-        self.training = self.training or sync is not None
         self._compare(lockstep_fact(self.forwards, sync=sync))
+
+    def start(self) -> None:
+        """The data-parallel model exists (DDP wrapped it, or ``fully_shard`` ran): from here until the first update
+        the script's collectives are compared. A Trainer gathers each step's token count before its forwards, so a
+        rank set not to (``average_tokens_across_devices=False`` on one node) went to its first forward while the
+        others gathered, and gloo aborted on the sizes before any forward was compared."""
+        self.started = True
+
+    def first_forward(self) -> None:
+        """The model's first forward, with or without autograd, ahead of any collective of its own: the others may be
+        at one of the script's collectives."""
+        if not self._first and not self.updated:
+            self._first = True
+            self._compare(FIRST_FORWARD)
 
     def attach_ddp(self, ddp: Any) -> list[Any]:
         """Compare each forward of the DDP model ``ddp`` with autograd on; returns the hooks' handles.
@@ -93,6 +111,7 @@ class Lockstep:
         Compared in the wrapped module's pre-hook, after the broadcast, every rank has issued the same collectives.
         A call of the wrapped module itself (``model.module(...)``) runs outside DDP and is left alone.
         """
+        self.start()
         return [ddp.register_forward_pre_hook(eager(self._entered)),
                 ddp.register_forward_hook(eager(self._left), always_call=True),
                 ddp.module.register_forward_pre_hook(eager(self._ddp_forward), prepend=True)]
@@ -111,8 +130,8 @@ class Lockstep:
             self.forward("on" if ddp.require_backward_grad_sync else "off")
 
     def at(self, place: str) -> None:
-        """A clip ("clip") or one of the script's collectives (its name), once training started."""
-        if self.training and not self.updated:
+        """A clip ("clip") or one of the script's collectives (its name), once the data-parallel model exists."""
+        if self.started and not self.updated:
             self._compare(lockstep_fact(self.forwards, place))
 
     def first_update(self) -> None:
@@ -137,7 +156,7 @@ def compared_first(method: Callable[..., Any], name: str, lockstep: Callable[[],
 
     >>> __name__ = "train"  # this example's calls come from a script's module
     >>> steps = Lockstep(print)
-    >>> steps.training, steps._compare = True, print
+    >>> steps.started, steps._compare = True, print
     >>> compared_first(lambda tensor, group=None: tensor, "all_reduce", lambda: steps)(1)
     the script's torch.distributed.all_reduce after 0 forwards
     1
@@ -152,7 +171,7 @@ def compared_first(method: Callable[..., Any], name: str, lockstep: Callable[[],
     @functools.wraps(method)
     def compared(*args: Any, **kwargs: Any) -> Any:
         steps = lockstep()
-        if steps.training and not steps.updated and _by_script(sys._getframe(1)) and _default_group(args, kwargs, position):
+        if steps.started and not steps.updated and _by_script(sys._getframe(1)) and _default_group(args, kwargs, position):
             steps.at(name)
         return method(*args, **kwargs)
 

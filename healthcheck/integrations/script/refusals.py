@@ -86,6 +86,14 @@ def refuse_no_model() -> InvalidInput:
     return InvalidInput(no_model_message(world, list(sys.modules), int(workers) if workers.isdigit() else 1))
 
 
+def refuse_step_before_forward() -> InvalidInput:
+    """The script stepped the optimizer of its DDP model, which never ran a forward: no gradient was reduced."""
+    return InvalidInput(
+        "the script stepped its optimizer before a forward through its DistributedDataParallel model; "
+        "healthcheck measures the gradients DDP reduces, so call the DDP model, not its .module"
+    )
+
+
 def refuse_deepspeed(patches: Any) -> None:
     """Refuse DeepSpeed's engine at its construction, if the script imported DeepSpeed; once per process."""
     engine = sys.modules.get(DEEPSPEED_ENGINE)

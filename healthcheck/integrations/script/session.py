@@ -32,7 +32,7 @@ from healthcheck.artifacts import FailFastPolicy, RankEvidence, RankInfo, Replay
 from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
-from healthcheck.integrations.script import observe, refusals
+from healthcheck.integrations.script import ddp_agreement, observe, refusals
 from healthcheck.integrations.script.clipping import ClipRecorder
 from healthcheck.integrations.script.closures import ClosureSteps
 from healthcheck.integrations.script.forwards import TrainingForwards
@@ -45,7 +45,6 @@ from healthcheck.integrations.script.replay_batch import BatchKeeper, model_loss
 from healthcheck.integrations.script.scaler_skips import PendingSkip, overflowed_in_part, persistent_overflow
 from healthcheck.integrations.script.seeds import SeedCalls
 from healthcheck.integrations.script.session_hooks import ProbeComplete, SessionHooks
-from healthcheck.integrations.script.shard_agreement import sharding_facts
 from healthcheck.integrations.script.sharded_root import ShardedRoot
 from healthcheck.integrations.script.step_facts import ScaleRecorder, step_facts
 from healthcheck.integrations.script.updates import UpdateSteps
@@ -140,8 +139,12 @@ class ScriptSession:
         self.hooks.install_faults(ddp.module)
 
     def _start_ddp(self, ddp: Any, args: Any) -> None:
-        """The DDP model's first forward, on every rank: its monitor (:mod:`.monitor_start` says why not earlier)."""
+        """The DDP model's first forward, on every rank: where the ranks are, whether they reduce alike (before DDP's
+        first broadcast: :mod:`.ddp_agreement`), then its monitor (:mod:`.monitor_start` says why not earlier)."""
         self._ddp_start.remove()  # its one call: the later forwards run without it
+        self.lockstep.first_forward()  # the others may be at a collective of the script's
+        if not (outcome := ddp_agreement.check_agreement(ddp)).passed:  # collective: every rank takes the same branch
+            self._stop_at_start(ddp, outcome)
         self._registering = True
         try:
             self.monitor = make_monitor(self.config, ddp)
@@ -192,7 +195,7 @@ class ScriptSession:
             self.audit = AuditRecorder(
                 module,
                 param_check_every=self.config.metrics.param_check_every,
-                extra={"model_dtype": facts["model_dtype"], **facts["module"], **sharding_facts(module)},
+                extra={"model_dtype": facts["model_dtype"], **facts["module"], **ddp_agreement.agreement_facts(module)},
             )
             self.audit.rng["rng_start"] = facts["rng"]
         if self.lockstep.fact is not None:
@@ -230,10 +233,7 @@ class ScriptSession:
         if not self._owns(optimizer) or self.scales.overflowed(optimizer):  # a GradScaler's skip, inside the optimizer
             return
         if self.monitor is None:
-            raise InvalidInput(
-                "the script stepped its optimizer before a forward through its DistributedDataParallel model; "
-                "healthcheck measures the gradients DDP reduces, so call the DDP model, not its .module"
-            )
+            raise refusals.refuse_step_before_forward()
         if self._joined or self._depth == 0 and self.updates.joins(optimizer):  # another optimizer of this update
             self._joined += 1
             self.scales.stepped(optimizer)

@@ -55,6 +55,7 @@ class ShardedRoot:
     def add(self, module: Any) -> None:
         """``fully_shard(module)`` ran: the module becomes the root unless it sits inside the current one."""
         self.sharded.append(module)
+        self.lockstep.start()
         if self.root is not None and any(m is module for m in self.root.modules()):
             return  # a block sharded after its parent: the root stays
         for handle in self._handles:
@@ -76,6 +77,7 @@ class ShardedRoot:
             return
         if not self._agreed:
             self._agreed = True
+            self.lockstep.first_forward()  # the others may be at a collective of the script's
             outcome = check_agreement(module)  # collective: every rank takes the same branch
             if not outcome.passed:
                 self.started = True

@@ -91,9 +91,10 @@ def test_nothing_is_compared_after_the_first_update(monkeypatch):
     assert compared.facts == ["forward 1 (gradient sync on)", "optimizer step after 1 forward"]
 
 
-def test_the_scripts_collectives_on_the_default_group_are_compared_once_it_trains(monkeypatch):
+def test_the_scripts_collectives_on_the_default_group_are_compared_once_the_model_exists(monkeypatch):
     # accelerate's loop gathers every micro-batch's loss: the others' first update met the gather of a rank that
-    # accumulates more, and gloo aborted on the sizes without naming it.
+    # accumulates more, and gloo aborted on the sizes without naming it. A Trainer gathers each step's token count
+    # before its first forward: from the wrapping on, not from the first forward.
     compared = Compared(monkeypatch, differs=lambda fact: "all_gather" in fact)
     steps = compared.lockstep
     calls = []
@@ -103,12 +104,25 @@ def test_the_scripts_collectives_on_the_default_group_are_compared_once_it_train
         return "done"
 
     gather = compared_first(all_gather, "all_gather", lambda: steps)
-    assert _call_from("train", gather, [], 1) == "done" and compared.facts == []  # before training: nothing to compare
+    assert _call_from("train", gather, [], 1) == "done" and compared.facts == []  # before the model: nothing to compare
+    steps.start()
+    assert _call_from("train", gather, [], 1) == "done" and compared.facts == ["the script's torch.distributed.all_gather after 0 forwards"]
     steps.forward("on")
     for own in ("healthcheck.measure.distributed", "torch.nn.modules._functions"):  # healthcheck's and torch's calls
-        assert _call_from(own, gather, [], 1) == "done" and compared.facts == ["forward 1 (gradient sync on)"]
+        assert _call_from(own, gather, [], 1) == "done" and compared.facts[1:] == ["forward 1 (gradient sync on)"]
     assert _call_from("train", gather, [], 1, object()) == "done"  # another group: the ranks outside it skip it
-    assert _call_from("train", gather, [], 1, group=object()) == "done" and compared.stopped == []
+    assert _call_from("train", gather, [], 1, group=object()) == "done" and compared.stopped == [DIFFER]  # the first's
     assert _call_from("train", gather, [], 1, group=torch.distributed.group.WORLD) == "done"
     assert compared.facts[-1] == "the script's torch.distributed.all_gather after 1 forward"
-    assert compared.stopped == [DIFFER] and len(calls) == 6
+    assert compared.stopped == [DIFFER, DIFFER] and len(calls) == 7
+
+
+def test_the_models_first_forward_is_compared_once_whatever_ran_before_it(monkeypatch):
+    # A Trainer rank set not to gather its token count went to its first forward while the others gathered.
+    compared = Compared(monkeypatch, differs=lambda fact: "all_gather" in fact)
+    steps = compared.lockstep
+    steps.first_forward()
+    steps.first_forward()
+    steps.first_update()
+    steps.first_forward()
+    assert compared.facts == ["the model's first forward", "optimizer step after 0 forwards"] and compared.stopped == []

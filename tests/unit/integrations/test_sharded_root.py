@@ -62,8 +62,8 @@ def test_the_module_sharded_last_is_the_root_and_a_block_sharded_after_it_does_n
     # Until the first update every root forward, and that update, say where the rank is; after it nothing does.
     calls.lockstep.first_update()
     model(torch.ones(1, 2))
-    assert calls.facts == ["forward 1 (no grad)", "forward 2 (gradient sync on)", "forward 3 (gradient sync on)",
-                           "optimizer step after 3 forwards"]
+    assert calls.facts == ["the model's first forward", "forward 1 (no grad)", "forward 2 (gradient sync on)",
+                           "forward 3 (gradient sync on)", "optimizer step after 3 forwards"]
 
 
 def test_ranks_at_different_places_before_the_first_update_end_the_run(monkeypatch):
@@ -79,7 +79,8 @@ def test_ranks_that_shard_differently_end_the_run_before_training_starts(monkeyp
     calls, model = Calls(monkeypatch, DIFFER), _model()
     calls.root.add(model)
     model(torch.ones(1, 2))
-    assert calls.disagreed == [(model, DIFFER)] and calls.training == [] and calls.compared == 1 and calls.facts == []
+    assert calls.disagreed == [(model, DIFFER)] and calls.training == [] and calls.compared == 1
+    assert calls.facts == ["the model's first forward"]  # before the sharding's: the others may be at a script's collective
 
 
 def test_a_sharded_module_outside_the_trained_root_is_bad_input(monkeypatch):
@@ -118,4 +119,5 @@ def test_clips_are_compared_until_the_first_update_only(monkeypatch):
     calls.lockstep.at("clip")
     calls.lockstep.first_update()
     calls.lockstep.at("clip")
-    assert calls.facts == ["forward 1 (gradient sync on)", "gradient clipping after 1 forward", "optimizer step after 1 forward"]
+    assert calls.facts == ["the model's first forward", "forward 1 (gradient sync on)", "gradient clipping after 1 forward",
+                           "optimizer step after 1 forward"]

@@ -1,0 +1,60 @@
+"""Before DDP's first collective of training: do the ranks reduce the same way?
+
+Why: DDP's collectives follow each rank's own wrapper settings. ``find_unused_parameters`` adds an all-reduce of
+the used-parameter map at the end of each backward, ``broadcast_buffers`` a broadcast of the module's buffers at
+each forward, ``bucket_cap_mb`` sets the sizes of the gradient all-reduces, ``static_graph`` changes the first
+iterations' reductions, and a communication hook (PowerSGD, fp16 compression) replaces them. A rank set otherwise (a
+per-node ``TrainingArguments`` or launch config) meets the others' collectives with its own. With
+``ddp_broadcast_buffers=False`` on one of 4 ``transformers.Trainer`` ranks gloo aborted on the sizes in the first
+forward (``Received data size doesn't match expected size``); with ``ddp_find_unused_parameters=False`` on one, the
+others waited in their backward until ``distributed.timeout_s``: exit 3 both ways, no rank named. The environment
+audit compares these settings, but only at the first optimizer step, which such a run never reaches.
+
+So DDP's first forward first exchanges them (one small gather, before DDP broadcasts anything), and where they
+differ every rank stops there (exit 1), the environment audit naming the rank, as :mod:`.shard_agreement` does for
+FSDP2. ``gradient_as_bucket_view`` changes no collective and is left to the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from healthcheck.integrations.script.observe import wrapper_facts
+from healthcheck.integrations.script.shard_agreement import sharding_facts
+from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.judge.exact_audits import environment_audit
+from healthcheck.measure import distributed as hdist
+from healthcheck.measure.fsdp_internals import is_fsdp_module
+
+#: The wrapper facts (:func:`.observe.wrapper_facts`) that change the number or the sizes of DDP's collectives.
+COLLECTIVE_SETTINGS = ("ddp.bucket_bytes_cap", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.broadcast_buffers",
+                       "ddp.comm_hook", "ddp.comm_hook_state")
+
+
+def reduction_facts(ddp: Any) -> dict[str, str]:
+    """The settings of the DDP model ``ddp`` that its collectives depend on.
+
+    >>> import torch
+    >>> class Wrapper(torch.nn.Module):  # DDP's attributes, without a process group
+    ...     bucket_bytes_cap, find_unused_parameters, static_graph, broadcast_buffers = 26214400, False, False, True
+    ...     def __init__(self, module):
+    ...         super().__init__()
+    ...         self.module = module
+    >>> reduction_facts(Wrapper(torch.nn.BatchNorm1d(2)))["ddp.broadcast_buffers"]
+    'True'
+    >>> reduction_facts(Wrapper(torch.nn.Linear(2, 2)))["ddp.broadcast_buffers"]
+    'no buffers'
+    """
+    facts = wrapper_facts(ddp)
+    return {name: facts[name] for name in COLLECTIVE_SETTINGS if name in facts}
+
+
+def check_agreement(ddp: Any) -> AuditOutcome:
+    """Collective: gather every rank's :func:`reduction_facts` and compare them (the same outcome on every rank)."""
+    return environment_audit(hdist.all_gather_objects(reduction_facts(ddp)))
+
+
+def agreement_facts(model: Any) -> dict[str, str]:
+    """What the ranks compare before their first collectives of training, for the environment audit of a probe that
+    stops there: the parameters and FSDP2's sharding (:func:`.shard_agreement.sharding_facts`), or DDP's settings."""
+    return {**sharding_facts(model), **({} if is_fsdp_module(model) else reduction_facts(model))}
