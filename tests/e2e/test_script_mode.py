@@ -360,24 +360,30 @@ def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(ti
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "override, fsdp2, message",
     [
         # The Trainer gathers each step's token count before its forwards; rank 3 does not, and went to its first
         # forward while the others gathered: gloo aborted on the sizes (exit 3, SIGABRT on rank 0).
-        ("3:average_tokens_across_devices=False",
+        ("3:average_tokens_across_devices=False", False,
          "train.before_first_update differs: ranks 0-2 the script's torch.distributed.all_gather after 0 forwards; "
          "rank 3 the model's first forward"),
+        # The same under FSDP2, where the others, stopped before the Trainer's model.train(), were still in the eval
+        # mode from_pretrained leaves: the environment audit named that too, a mode no rank trains in.
+        ("1:average_tokens_across_devices=False", True,
+         "train.before_first_update differs: ranks 0, 2-3 the script's torch.distributed.all_gather after 0 forwards; "
+         "rank 1 the model's first forward"),
         # The Trainer gives DDP find_unused_parameters=True for a transformers model; rank 2 all-reduces no
         # used-parameter map after its backward, and the others waited for it until distributed.timeout_s (exit 3).
-        ("2:ddp_find_unused_parameters=False",
+        ("2:ddp_find_unused_parameters=False", False,
          "ddp.find_unused_parameters differs: ranks 0-1, 3 True; rank 2 False"),
     ],
-    ids=["token-count-gather", "find-unused"],
+    ids=["token-count-gather", "token-count-gather-fsdp2", "find-unused"],
 )
-def test_a_trainer_rank_whose_collectives_differ_is_named_before_its_first_forward(override, message, tiny_llama, tmp_path):
+def test_a_trainer_rank_whose_collectives_differ_is_named_before_its_first_forward(override, fsdp2, message, tiny_llama, tmp_path):
     out = tmp_path / "run"
     done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=3,
-                               extra=("--set", "distributed.timeout_s=60"), script_args=("--override", override)))
+                               extra=("--set", "distributed.timeout_s=60"),
+                               script_args=("--override", override, *(("--fsdp2",) if fsdp2 else ()))))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["stopped_early"]["check"] == "environment" and result["steps_completed"] == 0, result["stopped_early"]

@@ -195,7 +195,10 @@ class ScriptSession:
             self.audit = AuditRecorder(
                 module,
                 param_check_every=self.config.metrics.param_check_every,
-                extra={"model_dtype": facts["model_dtype"], **facts["module"], **ddp_agreement.agreement_facts(module)},
+                # Not the modules' mode: a rank stopped before its first training forward has not set it (the Trainer
+                # calls model.train() in its step), and the mode it was loaded in is none it trains in.
+                extra={"model_dtype": facts["model_dtype"], **{k: v for k, v in facts["module"].items() if k != "model.eval_modules"},
+                       **ddp_agreement.agreement_facts(module)},
             )
             self.audit.rng["rng_start"] = facts["rng"]
         if self.lockstep.fact is not None:
