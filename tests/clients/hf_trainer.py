@@ -24,7 +24,6 @@ its `--log-dir` / `--logs-specs` options.) Knows nothing about healthcheck. Appe
 """
 
 import argparse
-import ast
 import json
 import os
 import tempfile
@@ -32,6 +31,7 @@ import tempfile
 import torch
 from cpu_fsdp import FSDP2_ARGS, FsdpOnCpu
 from datasets import Dataset
+from per_rank import apply_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 
@@ -150,15 +150,7 @@ def main(output_dir: str):
         **({"accelerator_config": {"dispatch_batches": False}} if args.stream == "shard" else {}),
         **(FSDP2_ARGS if args.fsdp2 else {}),
     )
-    for override in args.override:
-        rank, setting = override.split(":", 1)
-        key, value = setting.split("=", 1)
-        if int(rank) == int(os.environ.get("RANK", 0)):
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                pass
-            setattr(targs, key, value)
+    apply_overrides(targs, args.override)
     trainer = (FsdpTrainer if args.fsdp2 else Trainer)(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))
     trainer.train()

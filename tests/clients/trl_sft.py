@@ -10,6 +10,8 @@ per-step "loss" (logging_steps=1) to --log as JSON lines on rank 0, as it is log
 ``--fsdp2``: ``SFTConfig(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, ...})``, TRL on accelerate's FSDP2 as
 on a GPU host (``cpu_fsdp.py``).
 
+``--override R:KEY=VALUE`` (repeatable): rank R's ``SFTConfig.KEY`` is VALUE, a per-node config (``per_rank.py``).
+
 ``--loss-scale-rank R`` reproduces a per-node loss tweak for healthcheck's detection tests: rank R's trainer
 multiplies TRL's loss by 1.5 in its ``compute_loss`` (TRL divides by a token count over every rank, so the
 ranks' weights differ with their data even without it).
@@ -22,6 +24,7 @@ import tempfile
 
 from cpu_fsdp import FSDP2_ARGS, FsdpOnCpu
 from datasets import Dataset
+from per_rank import apply_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
@@ -67,6 +70,8 @@ def main(output_dir: str):
     ap.add_argument("--packing", action="store_true", help="SFTConfig(packing=True)")
     ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank through SFTTrainer(peft_config=...)")
     ap.add_argument("--fsdp2", action="store_true", help="TRL on accelerate's FSDP2 (fully_shard per decoder layer)")
+    ap.add_argument("--override", action="append", default=[], metavar="R:KEY=VALUE",
+                    help="rank R's SFTConfig KEY is VALUE (a Python literal, else the string): a per-node config")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -94,6 +99,7 @@ def main(output_dir: str):
         dataloader_num_workers=0,
         **(FSDP2_ARGS if args.fsdp2 else {}),
     )
+    apply_overrides(cfg, args.override)
     scaled = int(os.environ.get("RANK", "0")) == args.loss_scale_rank
     peft = {}
     if args.lora:
