@@ -10,6 +10,12 @@ forward (``Received data size doesn't match expected size``); with ``ddp_find_un
 others waited in their backward until ``distributed.timeout_s``: exit 3 both ways, no rank named. The environment
 audit compares these settings, but only at the first optimizer step, which such a run never reaches.
 
+DDP's constructor broadcasts the initial weights, with the buffers unless ``broadcast_buffers=False`` (or
+``init_sync=False``: nothing): with ``ddp_broadcast_buffers=False`` on one of 4 ``transformers.Trainer`` ranks gloo
+aborted there, the stacks naming ranks 1 and 3 in ``_sync_params_and_buffers``. So the arguments that decide that
+broadcast are compared first, as given (:func:`constructor_facts`), and the others at DDP's first forward, where the
+wrapper has them all (a comm hook is registered after the constructor).
+
 So DDP's first forward first exchanges them (one small gather, before DDP broadcasts anything), and where they
 differ every rank stops there (exit 1), the environment audit naming the rank, as :mod:`.shard_agreement` does for
 FSDP2. ``gradient_as_bucket_view`` changes no collective and is left to the first step.
@@ -17,7 +23,7 @@ FSDP2. ``gradient_as_bucket_view`` changes no collective and is left to the firs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 from healthcheck.integrations.script.observe import wrapper_facts
 from healthcheck.integrations.script.shard_agreement import sharding_facts
@@ -49,12 +55,61 @@ def reduction_facts(ddp: Any) -> dict[str, str]:
     return {name: facts[name] for name in COLLECTIVE_SETTINGS if name in facts}
 
 
-def check_agreement(ddp: Any) -> AuditOutcome:
-    """Collective: gather every rank's :func:`reduction_facts` and compare them (the same outcome on every rank)."""
-    return environment_audit(hdist.all_gather_objects(reduction_facts(ddp)))
+#: ``DistributedDataParallel``'s arguments that decide its constructor's broadcast (the last is torch 2.13's).
+CONSTRUCTOR_ARGUMENTS = ("init_sync", "broadcast_buffers", "forward_sync_buffers")
+
+
+def constructor_facts(init: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[tuple[Any, dict[str, str]]]:
+    """The module that ``DistributedDataParallel.__init__`` (``init``, unpatched) is about to wrap and its arguments
+    of :data:`CONSTRUCTOR_ARGUMENTS` as given (the buffers' ones "no buffers" for a module without any), or None
+    where DDP reduces over a group of its own (only its ranks build it) or the call is not DDP's to bind.
+
+    >>> import torch
+    >>> def init(self, module, broadcast_buffers=None, init_sync=True, process_group=None): ...
+    >>> constructor_facts(init, (torch.nn.BatchNorm1d(2),), {"broadcast_buffers": False})[1]
+    {'ddp(init_sync)': 'True', 'ddp(broadcast_buffers)': 'False'}
+    >>> constructor_facts(init, (torch.nn.Linear(2, 2),), {})[1]["ddp(broadcast_buffers)"]
+    'no buffers'
+    >>> constructor_facts(init, (torch.nn.Linear(2, 2),), {"process_group": object()}) is None
+    True
+    """
+    import inspect
+
+    import torch.distributed as dist
+
+    try:
+        bound = inspect.signature(init).bind(None, *args, **kwargs)
+    except TypeError:  # DDP raises its own error
+        return None
+    bound.apply_defaults()
+    given = bound.arguments
+    if given.get("process_group") not in (None, dist.group.WORLD) or given.get("device_mesh") is not None:
+        return None
+    module: Any = given.get("module")
+    buffers = any(True for _ in module.buffers()) if hasattr(module, "buffers") else False
+    facts = {}
+    for name in CONSTRUCTOR_ARGUMENTS:
+        if name in given:
+            facts[f"ddp({name})"] = repr(given[name]) if buffers or name == "init_sync" else "no buffers"
+    return module, facts
+
+
+def check_agreement(facts: dict[str, str]) -> AuditOutcome:
+    """Collective: gather every rank's ``facts`` (:func:`reduction_facts` or :func:`constructor_facts`) and compare
+    them (the same outcome on every rank)."""
+    return environment_audit(hdist.all_gather_objects(facts))
 
 
 def agreement_facts(model: Any) -> dict[str, str]:
     """What the ranks compare before their first collectives of training, for the environment audit of a probe that
     stops there: the parameters and FSDP2's sharding (:func:`.shard_agreement.sharding_facts`), or DDP's settings."""
     return {**sharding_facts(model), **({} if is_fsdp_module(model) else reduction_facts(model))}
+
+
+def constructor_disagreement(init: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[tuple[Any, AuditOutcome, dict[str, str]]]:
+    """Collective where :func:`constructor_facts` has facts: the module, the failed comparison and this rank's facts,
+    or None where the ranks agree (the same on every rank)."""
+    given = constructor_facts(init, args, kwargs)
+    if given is None or (outcome := check_agreement(given[1])).passed:
+        return None
+    return given[0], outcome, given[1]

@@ -118,6 +118,7 @@ def install(session: Any) -> Patches:
 
     def ddp_init(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            session.before_ddp(original, args, kwargs)
             original(self, *args, **kwargs)
             session.on_ddp(self)
 

@@ -122,11 +122,15 @@ class ScriptSession:
 
     # ------------------------------------------------------------------ callbacks from the patches
 
+    def before_ddp(self, init: Any, args: tuple, kwargs: dict) -> None:
+        """``DistributedDataParallel(...)`` is about to broadcast the weights: first, the arguments that decide how."""
+        if self.model is None and self.fsdp.root is None and (differs := ddp_agreement.constructor_disagreement(init, args, kwargs)):
+            self._stop_at_start(*differs)
+
     def on_ddp(self, ddp: Any) -> None:
         if self.model is not None or self.fsdp.root is not None:
             raise InvalidInput("the script builds a second data-parallel model; a probe measures one trained model")
-        # The monitor is made at the model's first forward, not here: a script registers its own comm hook after
-        # wrapping (accelerate's DistributedDataParallelKwargs(comm_hook=...) does), and the monitor must see it.
+        # The monitor is made at the first forward: a script registers its comm hook after wrapping (accelerate does).
         self._ddp_start = ddp.register_forward_pre_hook(self._start_ddp)
         self._handles += [self._ddp_start, *self.lockstep.attach_ddp(ddp)]
         self.model = ddp
@@ -139,11 +143,10 @@ class ScriptSession:
         self.hooks.install_faults(ddp.module)
 
     def _start_ddp(self, ddp: Any, args: Any) -> None:
-        """The DDP model's first forward, on every rank: where the ranks are, whether they reduce alike (before DDP's
-        first broadcast: :mod:`.ddp_agreement`), then its monitor (:mod:`.monitor_start` says why not earlier)."""
+        """The DDP model's first forward: where the ranks are, whether they reduce alike, then its monitor (:mod:`.monitor_start`)."""
         self._ddp_start.remove()  # its one call: the later forwards run without it
         self.lockstep.first_forward()  # the others may be at a collective of the script's
-        if not (outcome := ddp_agreement.check_agreement(ddp)).passed:  # collective: every rank takes the same branch
+        if not (outcome := ddp_agreement.check_agreement(ddp_agreement.reduction_facts(ddp))).passed:  # the same on every rank
             self._stop_at_start(ddp, outcome)
         self._registering = True
         try:
@@ -184,21 +187,19 @@ class ScriptSession:
         self._keeper.keep(module, args, kwargs)  # this forward's pre-hooks were listed before the keeper's was added
         self.hooks.install_faults(module)
 
-    def _stop_at_start(self, module: Any, outcome: AuditOutcome) -> None:
+    def _stop_at_start(self, module: Any, outcome: AuditOutcome, compared: Optional[dict[str, str]] = None) -> None:
         """The ranks cannot train together: FSDP2 ranks shard differently (:mod:`.shard_agreement`), or ranks are not at
-        the same place before the first update (:mod:`.lockstep`). Every rank ends the probe there, at step 0, the
-        environment audit failing on the facts that differ; seeds and shards are judged on the first forward's RNG
-        and the fetched batches."""
+        the same place before the first update (:mod:`.lockstep`), or set DDP otherwise (:mod:`.ddp_agreement`; before its
+        constructor, ``compared``). Every rank ends the probe there, at step 0, the environment audit failing on them."""
         facts = self.forwards.facts or self._first_forward_facts(module)
         self.model = module
         if self.audit is None:
             self.audit = AuditRecorder(
                 module,
                 param_check_every=self.config.metrics.param_check_every,
-                # Not the modules' mode: a rank stopped before its first training forward has not set it (the Trainer
-                # calls model.train() in its step), and the mode it was loaded in is none it trains in.
+                # Not the modules' mode: a rank stopped before its first training forward may not have set it yet.
                 extra={"model_dtype": facts["model_dtype"], **{k: v for k, v in facts["module"].items() if k != "model.eval_modules"},
-                       **ddp_agreement.agreement_facts(module)},
+                       **ddp_agreement.agreement_facts(module), **(compared or {})},
             )
             self.audit.rng["rng_start"] = facts["rng"]
         if self.lockstep.fact is not None:
