@@ -1,22 +1,19 @@
-"""Before DDP's first collective of training: do the ranks reduce the same way?
+"""Before DDP's collectives: do the ranks set DDP the same way?
 
-Why: DDP's collectives follow each rank's own wrapper settings. ``find_unused_parameters`` adds an all-reduce of
-the used-parameter map at the end of each backward, ``broadcast_buffers`` a broadcast of the module's buffers at
-each forward, ``bucket_cap_mb`` sets the sizes of the gradient all-reduces, ``static_graph`` changes the first
-iterations' reductions, and a communication hook (PowerSGD, fp16 compression) replaces them. A rank set otherwise (a
-per-node ``TrainingArguments`` or launch config) meets the others' collectives with its own. With
-``ddp_broadcast_buffers=False`` on one of 4 ``transformers.Trainer`` ranks gloo aborted on the sizes in the first
-forward (``Received data size doesn't match expected size``); with ``ddp_find_unused_parameters=False`` on one, the
-others waited in their backward until ``distributed.timeout_s``: exit 3 both ways, no rank named. The environment
-audit compares these settings, but only at the first optimizer step, which such a run never reaches.
+Why: DDP's collectives follow each rank's own settings. Its constructor broadcasts the initial weights, with the
+buffers unless ``broadcast_buffers=False`` (nothing with ``init_sync=False``); ``broadcast_buffers`` also adds a
+broadcast of the buffers at each forward, ``find_unused_parameters`` an all-reduce of the used-parameter map after each
+backward; ``bucket_cap_mb`` sets the sizes of the gradient all-reduces, ``static_graph`` changes the first iterations'
+reductions, and a communication hook (PowerSGD, fp16 compression) replaces them. A rank set otherwise (a per-node
+``TrainingArguments`` or launch config) meets the others' collectives with its own. Among 4 ``transformers.Trainer``
+ranks, one with ``ddp_broadcast_buffers=False`` made gloo abort inside DDP's constructor (the stacks naming ranks 1 and
+3 in ``_sync_params_and_buffers``), and with ``ddp_find_unused_parameters=False`` the others waited in their backward
+until ``distributed.timeout_s``: exit 3 both ways, the rank not named. The environment audit compares these settings,
+but only at the first optimizer step, which such a run never reaches.
 
-DDP's constructor broadcasts the initial weights, with the buffers unless ``broadcast_buffers=False`` (or
-``init_sync=False``: nothing): with ``ddp_broadcast_buffers=False`` on one of 4 ``transformers.Trainer`` ranks gloo
-aborted there, the stacks naming ranks 1 and 3 in ``_sync_params_and_buffers``. So the arguments that decide that
-broadcast are compared first, as given (:func:`constructor_facts`), and the others at DDP's first forward, where the
-wrapper has them all (a comm hook is registered after the constructor).
-
-So DDP's first forward first exchanges them (one small gather, before DDP broadcasts anything), and where they
+So the arguments that decide the constructor's broadcast are compared before it, as given
+(:func:`constructor_facts`), and the wrapper's settings at DDP's first forward, before it broadcasts anything
+(:func:`reduction_facts`: a comm hook is registered after the constructor). Each is one small gather; where the ranks
 differ every rank stops there (exit 1), the environment audit naming the rank, as :mod:`.shard_agreement` does for
 FSDP2. ``gradient_as_bucket_view`` changes no collective and is left to the first step.
 """
