@@ -378,7 +378,7 @@ def test_a_trainer_rank_with_its_own_gradient_accumulation_is_named_at_step_0(ti
          "ddp.find_unused_parameters differs: ranks 0-1, 3 True; rank 2 False"),
         # DDP's constructor broadcasts the initial weights, rank 1's without its buffers (the rotary frequencies):
         # gloo aborted there, the stacks naming ranks 1 and 3, before any hook of healthcheck's ran.
-        ("1:ddp_broadcast_buffers=False", False, "ddp(broadcast_buffers) differs: ranks 0, 2-3 None; rank 1 False"),
+        ("1:ddp_broadcast_buffers=False", False, "ddp.init_sync differs: ranks 0, 2-3 parameters and buffers; rank 1 parameters"),
     ],
     ids=["token-count-gather", "token-count-gather-fsdp2", "find-unused", "broadcast-buffers"],
 )

@@ -11,11 +11,11 @@ ranks, one with ``ddp_broadcast_buffers=False`` made gloo abort inside DDP's con
 until ``distributed.timeout_s``: exit 3 both ways, the rank not named. The environment audit compares these settings,
 but only at the first optimizer step, which such a run never reaches.
 
-So the arguments that decide the constructor's broadcast are compared before it, as given
-(:func:`constructor_facts`), and the wrapper's settings at DDP's first forward, before it broadcasts anything
-(:func:`reduction_facts`: a comm hook is registered after the constructor). Each is one small gather; where the ranks
-differ every rank stops there (exit 1), the environment audit naming the rank, as :mod:`.shard_agreement` does for
-FSDP2. ``gradient_as_bucket_view`` changes no collective and is left to the first step.
+So what the constructor will broadcast is compared before it (:func:`constructor_facts`), and the wrapper's
+settings at DDP's first forward, before it broadcasts anything (:func:`reduction_facts`: a comm hook is registered
+after the constructor). Each is one small gather; where the ranks differ every rank stops there (exit 1), the
+environment audit naming the rank, as :mod:`.shard_agreement` does for FSDP2. ``gradient_as_bucket_view`` changes no
+collective and is left to the first step.
 """
 
 from __future__ import annotations
@@ -52,21 +52,39 @@ def reduction_facts(ddp: Any) -> dict[str, str]:
     return {name: facts[name] for name in COLLECTIVE_SETTINGS if name in facts}
 
 
-#: ``DistributedDataParallel``'s arguments that decide its constructor's broadcast (the last is torch 2.13's).
-CONSTRUCTOR_ARGUMENTS = ("init_sync", "broadcast_buffers", "forward_sync_buffers")
+#: The environment fact that says what DDP's constructor broadcasts from rank 0 (:func:`constructor_facts`).
+INIT_SYNC = "ddp.init_sync"
+
+
+def init_broadcast(init_sync: Any, broadcast_buffers: Any, forward_sync_buffers: Any, has_buffers: bool) -> str:
+    """What ``DistributedDataParallel``'s constructor broadcasts, from its arguments: the parameters unless
+    ``init_sync=False``, and with them the buffers unless ``broadcast_buffers=False`` (torch 2.13's
+    ``forward_sync_buffers``, when given, always syncs them at the constructor; ``None`` is the default, ``True``).
+
+    >>> init_broadcast(True, None, None, True), init_broadcast(True, True, None, True)
+    ('parameters and buffers', 'parameters and buffers')
+    >>> init_broadcast(True, False, None, True), init_broadcast(True, False, True, True), init_broadcast(True, False, None, False)
+    ('parameters', 'parameters and buffers', 'parameters')
+    >>> init_broadcast(False, None, None, True)
+    'nothing'
+    """
+    if init_sync is False:
+        return "nothing"
+    buffers = has_buffers and (forward_sync_buffers is not None or broadcast_buffers is not False)
+    return "parameters and buffers" if buffers else "parameters"
 
 
 def constructor_facts(init: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[tuple[Any, dict[str, str]]]:
-    """The module that ``DistributedDataParallel.__init__`` (``init``, unpatched) is about to wrap and its arguments
-    of :data:`CONSTRUCTOR_ARGUMENTS` as given (the buffers' ones "no buffers" for a module without any), or None
-    where DDP reduces over a group of its own (only its ranks build it) or the call is not DDP's to bind.
+    """The module that ``DistributedDataParallel.__init__`` (``init``, unpatched) is about to wrap and
+    :data:`INIT_SYNC`, what it will broadcast (:func:`init_broadcast`), or None where DDP reduces over a group of its
+    own (only its ranks build it) or the call is not DDP's to bind.
 
     >>> import torch
     >>> def init(self, module, broadcast_buffers=None, init_sync=True, process_group=None): ...
     >>> constructor_facts(init, (torch.nn.BatchNorm1d(2),), {"broadcast_buffers": False})[1]
-    {'ddp(init_sync)': 'True', 'ddp(broadcast_buffers)': 'False'}
-    >>> constructor_facts(init, (torch.nn.Linear(2, 2),), {})[1]["ddp(broadcast_buffers)"]
-    'no buffers'
+    {'ddp.init_sync': 'parameters'}
+    >>> constructor_facts(init, (torch.nn.BatchNorm1d(2),), {"broadcast_buffers": True})[1]
+    {'ddp.init_sync': 'parameters and buffers'}
     >>> constructor_facts(init, (torch.nn.Linear(2, 2),), {"process_group": object()}) is None
     True
     """
@@ -83,12 +101,9 @@ def constructor_facts(init: Callable[..., Any], args: tuple, kwargs: dict) -> Op
     if given.get("process_group") not in (None, dist.group.WORLD) or given.get("device_mesh") is not None:
         return None
     module: Any = given.get("module")
-    buffers = any(True for _ in module.buffers()) if hasattr(module, "buffers") else False
-    facts = {}
-    for name in CONSTRUCTOR_ARGUMENTS:
-        if name in given:
-            facts[f"ddp({name})"] = repr(given[name]) if buffers or name == "init_sync" else "no buffers"
-    return module, facts
+    has_buffers = any(True for _ in module.buffers()) if hasattr(module, "buffers") else False
+    sync = init_broadcast(given.get("init_sync", True), given.get("broadcast_buffers"), given.get("forward_sync_buffers"), has_buffers)
+    return module, {INIT_SYNC: sync}
 
 
 def check_agreement(facts: dict[str, str]) -> AuditOutcome:
