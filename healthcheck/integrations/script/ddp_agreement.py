@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from healthcheck.integrations.script.observe import wrapper_facts
+from healthcheck.integrations.script.observe import has_buffers, wrapper_facts
 from healthcheck.integrations.script.shard_agreement import sharding_facts
 from healthcheck.judge.audit_outcome import AuditOutcome
 from healthcheck.judge.exact_audits import environment_audit
@@ -101,8 +101,8 @@ def constructor_facts(init: Callable[..., Any], args: tuple, kwargs: dict) -> Op
     if given.get("process_group") not in (None, dist.group.WORLD) or given.get("device_mesh") is not None:
         return None
     module: Any = given.get("module")
-    has_buffers = any(True for _ in module.buffers()) if hasattr(module, "buffers") else False
-    sync = init_broadcast(given.get("init_sync", True), given.get("broadcast_buffers"), given.get("forward_sync_buffers"), has_buffers)
+    buffers = has_buffers(module)
+    sync = init_broadcast(given.get("init_sync", True), given.get("broadcast_buffers"), given.get("forward_sync_buffers"), buffers)
     return module, {INIT_SYNC: sync}
 
 

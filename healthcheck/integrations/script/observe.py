@@ -211,13 +211,13 @@ def wrapper_facts(model: Any) -> dict[str, str]:
         **script_hook.hook_facts(model),  # the script's own hook and its state: a rank that compresses reduces others
         "ddp.bucket_bytes_cap": str(getattr(model, "bucket_bytes_cap", "?")),
         # DDP broadcasts only a module that has buffers: without any the setting changes nothing.
-        "ddp.broadcast_buffers": str(getattr(model, "broadcast_buffers", "?")) if _has_buffers(model) else "no buffers",
+        "ddp.broadcast_buffers": str(getattr(model, "broadcast_buffers", "?")) if has_buffers(model) else "no buffers",
         "ddp.find_unused_parameters": str(getattr(model, "find_unused_parameters", "?")),
         "ddp.gradient_as_bucket_view": str(getattr(model, "gradient_as_bucket_view", "?")),
         "ddp.static_graph": str(getattr(model, "static_graph", "?")),
     }
 
 
-def _has_buffers(model: Any) -> bool:
-    module = getattr(model, "module", model)
-    return any(True for _ in module.buffers())
+def has_buffers(module: Any) -> bool:
+    """Whether ``module`` (a DDP model holds its wrapped module's) has any buffer: DDP broadcasts only those."""
+    return hasattr(module, "buffers") and any(True for _ in module.buffers())
