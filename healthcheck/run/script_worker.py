@@ -23,6 +23,7 @@ from healthcheck.config import ProbeConfig, resolve_for_rank
 from healthcheck.errors import one_line
 from healthcheck.files import JsonlWriter
 from healthcheck.integrations.script.session import ProbeComplete, ScriptSession, SessionHooks
+from healthcheck.integrations.script.uneven_inputs import InputsExhausted, ended_in_join
 from healthcheck.measure import distributed as hdist
 from healthcheck.run.console import redirect_worker_output
 from healthcheck.run.failures import record_worker_failure
@@ -123,6 +124,8 @@ class _ScriptRun:
                         runpy.run_path(str(script.path), run_name="__main__")
                 except ProbeComplete:
                     pass
+                except InputsExhausted:
+                    raise ScriptEnded(ended_in_join(session.steps_done, self.config.train.steps)) from None
                 except SystemExit as exc:
                     if session.complete:
                         pass

@@ -21,11 +21,13 @@ partition of the parameters and broadcasts it); zero-lr=R (the same, rank R's le
 otherwise, and the broadcast still leaves every replica bit-identical); zero-warmup=R (the same with a linear warmup
 from 0 over 4 steps, over 8 on rank R: a per-node schedule, equal at the first step); zero-bias-warmup=R (the same
 with the weights and the biases in two parameter groups, nanoGPT's decay/no-decay split, and the warmup on the
-biases' group only: the first group's rate agrees on every rank at every step).
+biases' group only: the first group's rate agrees on every rank at every step); join=R (PyTorch's uneven-inputs
+recipe: the loop inside ``Join([model])``, rank R with 2 batches fewer than the others, which it then shadows).
 Knows nothing about healthcheck.
 """
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -94,36 +96,40 @@ def main():
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
-    for step in range(args.steps):
-        if mode == "return-after" and step == int(value):
-            return
-        if mode == "raise-at" and step == int(value) and rank == 1:
-            raise ValueError(f"bad batch at step {step}")
-        x, y = torch.randn(8, 16, generator=generator).to(dtype), torch.randn(8, 4, generator=generator).to(dtype)
-        if mode == "late-comm-hook" and step == 1:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if mode == "join":
+        from torch.distributed.algorithms.join import Join
+    steps = args.steps - 2 if mode == "join" and rank == int(value) else args.steps
+    with Join([model]) if mode == "join" else contextlib.nullcontext():
+        for step in range(steps):
+            if mode == "return-after" and step == int(value):
+                return
+            if mode == "raise-at" and step == int(value) and rank == 1:
+                raise ValueError(f"bad batch at step {step}")
+            x, y = torch.randn(8, 16, generator=generator).to(dtype), torch.randn(8, 4, generator=generator).to(dtype)
+            if mode == "late-comm-hook" and step == 1:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            model.register_comm_hook(None, default_hooks.allreduce_hook)
-        forward = model.module if mode == "module-forward" else model
-        if mode == "accum-sync":  # accum-sync=K: K micro-batches a step, each backward all-reduced (no no_sync)
-            for _ in range(int(value) - 1):
-                torch.nn.functional.mse_loss(forward(x), y).backward()
-                x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-        loss = torch.nn.functional.mse_loss(forward(x), y)
-        if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
-            loss = loss * float(value)
-        if mode == "zero-loss":  # every rank weighs its loss by its configured weight: 0 on rank R
-            loss = loss * (0.0 if rank == int(value) else 1.0)
-        loss.backward()
-        if mode == "no-ddp":  # the tutorial's average_gradients
-            for param in model.parameters():
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-                param.grad /= dist.get_world_size()
-        if mode != "never-step":
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad()
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+            forward = model.module if mode == "module-forward" else model
+            if mode == "accum-sync":  # accum-sync=K: K micro-batches a step, each backward all-reduced (no no_sync)
+                for _ in range(int(value) - 1):
+                    torch.nn.functional.mse_loss(forward(x), y).backward()
+                    x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+            loss = torch.nn.functional.mse_loss(forward(x), y)
+            if mode in ("fp16-hook", "half") and value:  # fp16-hook=S, half=S: the loss (so every gradient) times S
+                loss = loss * float(value)
+            if mode == "zero-loss":  # every rank weighs its loss by its configured weight: 0 on rank R
+                loss = loss * (0.0 if rank == int(value) else 1.0)
+            loss.backward()
+            if mode == "no-ddp":  # the tutorial's average_gradients
+                for param in model.parameters():
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+                    param.grad /= dist.get_world_size()
+            if mode != "never-step":
+                optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            optimizer.zero_grad()
     dist.destroy_process_group()
 
 

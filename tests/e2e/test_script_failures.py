@@ -12,10 +12,10 @@ from tests.e2e.conftest import REPO, failed_ranks, run_cli
 TINY = REPO / "tests" / "clients" / "tiny_ddp.py"
 
 
-def probe(tmp_path, mode: str, *extra: str):
+def probe(tmp_path, mode: str, *extra: str, script_args: tuple[str, ...] = ()):
     out = tmp_path / "run"
     done = run_cli("probe", "--script", str(TINY), "--out", str(out), "--audits-only", "--no-plots", "--set", "distributed.nproc=2",
-                   "--set", "train.steps=5", "--set", "metrics.warmup_steps=1", *extra, "--", "--mode", mode)
+                   "--set", "train.steps=5", "--set", "metrics.warmup_steps=1", *extra, "--", "--mode", mode, *script_args)
     return done, out
 
 
@@ -59,6 +59,10 @@ def test_a_compiled_ddp_model_is_measured(tmp_path):
     ("mode", "expected"),
     [
         ("raise-at=3", "rank 1 failed at step 3: ValueError: bad batch at step 3"),
+        # PyTorch's uneven-inputs recipe, rank 1 with 2 batches fewer: it waited in Join, shadowing DDP's all-reduces
+        # but not the probe's collectives, and the others waited for it until distributed.timeout_s (300 s).
+        ("join=1", "rank 1 failed at step 4: ScriptEnded: the script's loop ran out of inputs after 4 of the probe's 5 "
+                   "optimizer steps and entered torch's Join (uneven inputs)"),
         # Rank 1 fails before it joins the process group: rank 0, waiting in the rendezvous inside C++, never ran the
         # Python handler of the elastic agent's SIGTERM, and the probe took 32 s to exit (measure/distributed.py).
         ("raise-before-init=1", "rank 1 failed in the script, before its first optimizer step: RuntimeError: this node's config is broken"),
@@ -67,10 +71,21 @@ def test_a_compiled_ddp_model_is_measured(tmp_path):
     ],
 )
 def test_a_script_that_fails_or_stops_early_is_exit_3_naming_it(tmp_path, mode, expected):
-    done, out = probe(tmp_path, mode)
+    # 6 script steps: join=1's rank 1 has 4; the others' 6 would be enough.
+    done, out = probe(tmp_path, mode, "--set", "distributed.timeout_s=60", script_args=("--steps", "6"))
     assert done.returncode == 3, done.stderr[-2000:]
     assert expected in error_line(done)
     assert json.loads((out / "result.json").read_text())["status"] == "incomplete"
+    assert no_workers_left()
+
+
+def test_a_loop_inside_join_passes_while_every_rank_has_inputs(tmp_path):
+    # Join makes every training forward all-reduce a count of the ranks still training, a collective the probe
+    # compares at the first forward; rank 1's 8 batches outlast the probe's 5 steps.
+    done, out = probe(tmp_path, "join=1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == list(range(5)) and all(r["grad_norm"] > 0 for r in rows), rows
     assert no_workers_left()
 
 

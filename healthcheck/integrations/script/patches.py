@@ -31,6 +31,8 @@ original on exit, in reverse order, whatever happened in between.
 * ``random.seed`` and ``numpy.random.seed``: the seeds the script gives those generators (:mod:`.seeds`).
 * ``torch.amp.GradScaler.step``: which scaler steps which optimizer, for the step's loss scale, and the steps it
   skipped (:mod:`.step_facts`).
+* ``torch.distributed.algorithms.join.Join.__exit__``: a rank whose loop runs out of inputs before the probe has its
+  steps ends the probe there (:mod:`.uneven_inputs`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.script import clipping, refusals, seeds, step_facts
+from healthcheck.integrations.script import clipping, refusals, seeds, step_facts, uneven_inputs
 from healthcheck.integrations.script.lockstep import compared_first
 from healthcheck.measure.distributed import terminable_while_joining
 from healthcheck.measure.wait_clock import counted_as_waiting
@@ -213,6 +215,7 @@ def install(session: Any) -> Patches:
         patches.wrap(dataloader._BaseDataLoaderIter, "__next__", seen_by(lambda it, batch: session.loaders.on_batch(it, batch)))
         clipping.patch(patches, lambda *call: _clipped(session, *call))
         step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
+        uneven_inputs.patch(patches, lambda: not session.complete)
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
         patches.wrap(numpy.random, "seed", seeds.seeding("numpy", lambda: session.seeds))
     except BaseException:
