@@ -41,7 +41,7 @@ from healthcheck.judge.learning_rate import first_split, learning_rate_audit
 from healthcheck.judge.loss_weight import loss_weight_audit
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
-from healthcheck.judge.shard_audit import batch_audit, data_shard_audit
+from healthcheck.judge.shard_audit import READ_ONCE, SampleGroups, batch_audit, data_shard_audit
 from healthcheck.judge.sharded_audit import sharded_state_audit
 from healthcheck.judge.spikes import SPIKE_METRICS, spike_audit
 from healthcheck.judge.stale_gradients import stale_gradients_audit
@@ -342,7 +342,10 @@ def script_shard_audit(per_rank: Sequence[RankEvidence]) -> AuditOutcome:
         return batches
     # The dataset's length, where every rank reads one: an epoch read whole may repeat the sampler's padding.
     size = per_rank[0].dataset_size if len(datasets) == 1 and digests[0] else None
-    outcome = _shards_read(consumed, plans, datasets, contents, size)
+    # A sampler that reads each sample several times by design (TRL's GRPO groups); where the ranks disagree on it the
+    # environment audit names them, and the shards are judged as if it read each once.
+    groups = SampleGroups(int(_common_fact(per_rank, "data.sample_group", "1")), int(_common_fact(per_rank, "data.group_rounds", "1")))
+    outcome = _shards_read(consumed, plans, datasets, contents, size, groups)
     if compared and outcome.passed and outcome.measured:
         same = "every rank's DataLoader makes the same batch of the dataset's first, middle and last samples"
         outcome = dataclasses.replace(outcome, message=f"{outcome.message}; {same}")
@@ -355,6 +358,7 @@ def _shards_read(
     datasets: Sequence[Sequence[int]],
     contents: Sequence[Any],
     dataset_size: Optional[int] = None,
+    groups: SampleGroups = READ_ONCE,
 ) -> AuditOutcome:
     """Which samples the ranks read, against the shared sampler's plan where there is one."""
     if any(plan is None for plan in plans):
@@ -369,7 +373,7 @@ def _shards_read(
         span = 1 + max((i for batches in consumed for _, ids in batches for i in ids), default=0)
         tag = {rank: number * span for number, group in enumerate(datasets) for rank in group}
         tagged = [[(e, [tag[r] + i for i in ids]) for e, ids in c] for r, c in enumerate(consumed)]
-        return data_shard_audit(tagged, None, dataset_size)  # the caller's size is None for several datasets
+        return data_shard_audit(tagged, None, dataset_size, groups)  # the caller's size is None for several datasets
     seeds = Counter(plan.seed for plan in plans if plan is not None)
     top = max(seeds.values())
     first = plans[0]

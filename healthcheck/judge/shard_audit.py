@@ -10,7 +10,7 @@ shared seed, ``set_epoch`` each epoch); :mod:`healthcheck.judge.assemble` builds
 from __future__ import annotations
 
 from collections import Counter
-from typing import Collection, Mapping, Optional, Sequence
+from typing import Collection, Mapping, NamedTuple, Optional, Sequence
 
 from healthcheck.judge.audit_outcome import AuditOutcome, group_ranks, odd_ones_out, partition_signature, rank_span, ranks_phrase
 from healthcheck.judge.exact_audits import differences_phrase, differing_fields
@@ -40,22 +40,67 @@ def first_departure(consumed: Sequence[int], planned: Sequence[int]) -> int | No
     return None
 
 
-def shard_overlap(per_rank: Sequence[Mapping[int, Sequence[int]]], padded: Collection[int] = ()) -> list[int]:
+class SampleGroups(NamedTuple):
+    """How a sampler reads each sample it draws, by design: ``size`` times in a row (a group), the group ``rounds``
+    times an epoch (``data.sample_group``, ``data.group_rounds``: TRL's GRPO groups of generations per prompt, dealt out
+    over the ranks). Once, for any other sampler."""
+
+    size: int = 1
+    rounds: int = 1
+
+    @property
+    def reads(self) -> int:
+        return self.size * self.rounds
+
+
+#: Any sampler but a group sampler's: each sample drawn is read once.
+READ_ONCE = SampleGroups()
+
+
+def shard_overlap(
+    per_rank: Sequence[Mapping[int, Sequence[int]]], padded: Collection[int] = (), groups: SampleGroups = READ_ONCE
+) -> list[int]:
     """Per rank, how many of its samples some other rank also consumed in the same epoch, but in the ``padded``
-    epochs (:func:`padded_repeats`), whose repeats are shared by design.
+    epochs (:func:`padded_repeats`), whose repeats are shared by design. Where the sampler reads each sample several
+    times an epoch by design (``groups``), how many of its samples the ranks together read more often than that.
 
     >>> shard_overlap([{0: [1, 2]}, {0: [2, 3]}, {0: [4, 5]}])
     [1, 1, 0]
     >>> shard_overlap([{0: [0, 1]}, {0: [2, 0]}], padded={0})  # 3 samples on 2 ranks: sample 0 pads rank 1
     [0, 0]
+    >>> shard_overlap([{0: [7, 7]}, {0: [7, 7]}], groups=SampleGroups(4)), shard_overlap([{0: [7, 7]}, {0: [7, 7]}], groups=SampleGroups(2))
+    ([0, 0], [1, 1])
     """
     shared = [0] * len(per_rank)
     epochs = {e for rank in per_rank for e in rank} - set(padded)
     for epoch in epochs:
-        counts = Counter(i for rank in per_rank for i in set(rank.get(epoch, ())))
+        if groups.reads > 1:  # every read counts: a group's reads on one rank are as much the design as on two
+            counts = Counter(i for rank in per_rank for i in rank.get(epoch, ()))
+        else:
+            counts = Counter(i for rank in per_rank for i in set(rank.get(epoch, ())))
         for r, rank in enumerate(per_rank):
-            shared[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] > 1)
+            shared[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] > groups.reads)
     return shared
+
+
+def split_groups(per_rank: Sequence[Mapping[int, Sequence[int]]], groups: SampleGroups) -> list[int]:
+    """Per rank, how many of its samples the ranks together read in an epoch a number of times that is no whole group.
+
+    Each step's batches over the ranks hold whole groups (TRL requires it), so every group is read whole by the ranks
+    that share it. A rank whose sampler drew other samples (its own seed) reads half a group of its own beside the
+    others' halves: each rank's advantages are then normalised over completions of two prompts, and no index repeats.
+
+    >>> split_groups([{0: [3, 3, 5, 5]}, {0: [3, 3, 5, 5]}], SampleGroups(4)), split_groups([{0: [3, 3]}, {0: [9, 9]}], SampleGroups(4))
+    ([0, 0], [1, 1])
+    """
+    split = [0] * len(per_rank)
+    if groups.size <= 1:
+        return split
+    for epoch in {e for rank in per_rank for e in rank}:
+        counts = Counter(i for rank in per_rank for i in rank.get(epoch, ()))
+        for r, rank in enumerate(per_rank):
+            split[r] += sum(1 for i in set(rank.get(epoch, ())) if counts[i] % groups.size)
+    return split
 
 
 def padded_repeats(per_rank: Sequence[Mapping[int, Sequence[int]]], epoch: int, dataset_size: Optional[int], batch: int) -> Optional[int]:
@@ -95,6 +140,7 @@ def data_shard_audit(
     consumed: Sequence[Sequence[tuple[int, Sequence[int]]]],
     plan: Optional[Mapping[tuple[int, int], Sequence[int]]],
     dataset_size: Optional[int] = None,
+    groups: SampleGroups = READ_ONCE,
 ) -> AuditOutcome:
     """Did the ranks read disjoint shards in the planned order, epoch after epoch?
 
@@ -105,6 +151,7 @@ def data_shard_audit(
             identical and overlapping shards can be judged, not the order.
         dataset_size: How many samples the indices name, where known: an epoch that read them all may repeat a few
             where the sampler padded its end (:func:`shard_overlap`).
+        groups: How the sampler reads each sample by design (:class:`SampleGroups`); judged without a plan only.
     """
     per_rank = [flatten_epochs(batches) for batches in consumed]
     world = len(per_rank)
@@ -112,12 +159,12 @@ def data_shard_audit(
     batch = max((len(ids) for batches in consumed for _, ids in batches), default=1)
     epochs_read = {e for rank in per_rank for e in rank}
     padded = {e: n for e in epochs_read if (n := padded_repeats(per_rank, e, dataset_size, batch)) is not None}
-    shared = shard_overlap(per_rank, padded)
+    shared = shard_overlap(per_rank, padded, groups if plan is None else READ_ONCE)
     # Said where it happened: "disjoint" with a sample read twice would read as a contradiction.
     read_twice = sum(padded.values())
     padding = f"; {read_twice} read twice where the sampler padded an epoch's end" if read_twice else ""
     if plan is None:
-        return _without_plan(per_rank, totals, shared, padding)
+        return _without_plan(per_rank, totals, shared, padding, groups)
     coverage = plan_coverage(per_rank, plan)
     departures = {r: dep for r in range(world) if (dep := _rank_departure(per_rank[r], r, plan)) is not None}
     repeats = {r: eps for r in range(world) if (eps := _epochs_repeating_epoch0(per_rank[r], r, plan))}
@@ -225,14 +272,30 @@ def batch_audit(per_rank: Sequence[Mapping[str, str]]) -> Optional[AuditOutcome]
 
 
 def _without_plan(
-    per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int], shared: Sequence[int], padding: str = ""
+    per_rank: Sequence[Mapping[int, Sequence[int]]], totals: Sequence[int], shared: Sequence[int], padding: str = "",
+    groups: SampleGroups = READ_ONCE,
 ) -> AuditOutcome:
-    """Identical or overlapping shards, judged without a sampler plan to compare the order with."""
+    """Identical or overlapping shards, judged without a sampler plan to compare the order with.
+
+    A sampler that reads each sample several times by design (``groups``) may deal one sample's reads to several
+    ranks: ranks of TRL's GRPO read the same prompts where a group is larger than a rank's batch, and generate
+    different completions of them. More reads than that are an overlap, and reads that are no whole group a split.
+
+    >>> group = [[(0, [3, 3, 3, 3])], [(0, [3, 3, 3, 3])]]  # a group of 8 completions of prompt 3 on 2 ranks of 4
+    >>> data_shard_audit(group, None, groups=SampleGroups(8)).message.split(" (")[0]
+    'ranks 0-1 read each sample in whole groups of 8 reads, as their sampler deals them out'
+    >>> data_shard_audit(group, None, groups=SampleGroups(4)).signature  # groups of 4: each rank should have its own
+    'identical'
+    >>> data_shard_audit([[(0, [3, 3, 3, 3])], [(0, [5, 5, 5, 5])]], None, groups=SampleGroups(8)).signature
+    'split-groups 0-1'
+    """
     world = len(per_rank)
     everyone = list(range(world))
     epochs = sorted({e for rank in per_rank for e in rank})
     details = {"samples_per_rank": list(totals), "shared_per_rank": list(shared), "epochs": len(epochs), "plan": None}
-    if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone):
+    if groups.reads > 1:
+        details["sample_groups"] = list(groups)
+    if world > 1 and all(per_rank[r] == per_rank[0] for r in everyone) and (groups.reads == 1 or any(shared)):
         return AuditOutcome(
             False,
             f"every rank read the same samples: {ranks_phrase(everyone)} consumed identical "
@@ -244,18 +307,36 @@ def _without_plan(
     if any(shared):
         overlapping = [r for r in everyone if shared[r]]
         worst = max(everyone, key=lambda r: (shared[r], -r))
+        more = f" more often than the {groups.reads} reads its sampler makes of each" if groups.reads > 1 else ""
         return AuditOutcome(
             False,
             # Every rank that shares is named: an overlap cannot tell the rank whose order moved from the ones it hit.
             f"{ranks_phrase(overlapping)} read overlapping samples within an epoch: {ranks_phrase([worst])} shares "
-            f"{shared[worst]} of its {totals[worst]} samples with other ranks; expected 0",
+            f"{shared[worst]} of its {totals[worst]} samples with other ranks{more}; expected 0",
             f"overlap {rank_span(overlapping)}",
             tuple(overlapping),
             details,
         )
+    if any(split := split_groups(per_rank, groups)):
+        splitting = [r for r in everyone if split[r]]
+        worst = max(everyone, key=lambda r: (split[r], -r))
+        return AuditOutcome(
+            False,
+            f"{ranks_phrase(splitting)} split their sampler's groups: {ranks_phrase([worst])} read {split[worst]} of its "
+            f"samples a number of times over the ranks that is no whole group of {groups.size} (the sampler reads each "
+            f"{groups.size} times in a row, one group of generations dealt out over the ranks): a rank's sampler out of "
+            "step with the others' (its own seed or shuffle?)",
+            f"split-groups {rank_span(splitting)}",
+            tuple(splitting),
+            details,
+        )
+    what = "disjoint shards"
+    if groups.reads > 1:
+        what = (f"each sample in whole groups of {groups.size} reads, as their sampler deals them out "
+                f"(TRL's RepeatSampler: a group of generations per prompt, at most {groups.reads} reads an epoch)")
     return AuditOutcome(
         True,
-        f"{ranks_phrase(everyone)} read disjoint shards ({sum(totals)} samples over "
+        f"{ranks_phrase(everyone)} read {what} ({sum(totals)} samples over "
         f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}{padding}); the order was not checked: no "
         "DistributedSampler to rebuild it from",
         "disjoint",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from healthcheck.artifacts import SamplerPlan
 from healthcheck.integrations.script.sample_hashes import sample_hashes
@@ -176,7 +176,8 @@ def loader_settings(index_sampler: Any) -> dict[str, str]:
     """``data.batch_size`` and ``data.drop_last`` of a DataLoader's index sampler (a ``BatchSampler``, accelerate's
     ``BatchSamplerShard``), where it has them. A rank with its own per-device batch size reads the plan's order
     faster and weighs its samples otherwise; no shard, seed or parameter shows it. A sampler that sizes its
-    batches by their tokens has no ``batch_size`` and is not compared.
+    batches by their tokens has no ``batch_size`` and is not compared. ``data.sample_group`` and
+    ``data.group_rounds``: where a sampler it wraps reads each sample several times by design (:func:`sample_groups`).
 
     >>> import torch
     >>> loader = torch.utils.data.DataLoader(range(10), batch_size=4)
@@ -188,7 +189,43 @@ def loader_settings(index_sampler: Any) -> dict[str, str]:
         value = getattr(index_sampler, name, None)
         if isinstance(value, (bool, int)):
             settings[f"data.{name}"] = str(value)
+    settings.update(sample_groups(index_sampler))
     return settings
+
+
+def sample_groups(index_sampler: Any) -> dict[str, str]:
+    """``data.sample_group`` and ``data.group_rounds`` where a sampler behind a DataLoader's index sampler reads each
+    sample it draws several times by design: ``mini_repeat_count`` times in a row (a group), the group read
+    ``repeat_count`` times (TRL's ``RepeatSampler``); empty where none says so.
+
+    TRL's GRPO (and RLOO) trainers sample a group of completions per prompt: their sampler yields each prompt
+    ``num_generations`` times in a row (one round per step that reuses a generation), and accelerate deals those
+    reads out to the ranks, so a group of 8 on ranks of 4 sends one prompt to two ranks, which generate different
+    completions of it. Those reads are the design, not an overlap (:func:`~healthcheck.judge.shard_audit.shard_overlap`).
+
+    >>> class GroupSampler:  # the attributes TRL's RepeatSampler keeps
+    ...     mini_repeat_count, repeat_count = 8, 2
+    >>> import torch
+    >>> sample_groups(torch.utils.data.BatchSampler(GroupSampler(), batch_size=4, drop_last=False))
+    {'data.sample_group': '8', 'data.group_rounds': '2'}
+    >>> sample_groups(torch.utils.data.BatchSampler(range(4), batch_size=4, drop_last=False))
+    {}
+    """
+    for sampler in _nested_samplers(index_sampler):
+        group, rounds = getattr(sampler, "mini_repeat_count", None), getattr(sampler, "repeat_count", 1)
+        if isinstance(group, int) and isinstance(rounds, int) and group >= 1 and rounds >= 1:
+            return {"data.sample_group": str(group), "data.group_rounds": str(rounds)}
+    return {}
+
+
+def _nested_samplers(index_sampler: Any) -> Iterator[Any]:
+    """The index sampler and the samplers it wraps, outermost first (a few levels deep at most)."""
+    queue, seen = [index_sampler], 0
+    while queue and seen < 8:
+        current = queue.pop(0)
+        seen += 1
+        yield current
+        queue += [getattr(current, name) for name in ("sampler", "batch_sampler") if getattr(current, name, None) is not None]
 
 
 def distributed_sampler(index_sampler: Any) -> Any:
@@ -196,14 +233,7 @@ def distributed_sampler(index_sampler: Any) -> Any:
     BatchSamplerShard, ...), or None."""
     from torch.utils.data.distributed import DistributedSampler
 
-    queue, seen = [index_sampler], 0
-    while queue and seen < 8:  # samplers nest a few levels deep at most
-        current = queue.pop(0)
-        seen += 1
-        if isinstance(current, DistributedSampler):
-            return current
-        queue += [getattr(current, name) for name in ("sampler", "batch_sampler") if getattr(current, name, None) is not None]
-    return None
+    return next((sampler for sampler in _nested_samplers(index_sampler) if isinstance(sampler, DistributedSampler)), None)
 
 
 def sampler_plan(index_sampler: Any) -> Optional[SamplerPlan]:

@@ -54,6 +54,18 @@ def test_the_sampler_is_found_through_nested_batch_samplers_and_absent_otherwise
     assert loaders.sampler_plan(BatchSampler(RandomSampler(range(10)), 2, False)) is None
 
 
+def test_trls_group_sampler_is_read_through_accelerates_shard_as_groups_of_reads():
+    # TRL's RepeatSampler (GRPO's): each prompt 8 times in a row, the group twice; accelerate shards its batches.
+    from accelerate.data_loader import BatchSamplerShard
+    from trl.trainer.utils import RepeatSampler
+
+    sampler = RepeatSampler(range(32), mini_repeat_count=8, batch_size=2, repeat_count=2, seed=0)
+    shard = BatchSamplerShard(BatchSampler(sampler, batch_size=4, drop_last=False), num_processes=2, process_index=1)
+    settings = loaders.loader_settings(shard)
+    assert settings["data.sample_group"] == "8" and settings["data.group_rounds"] == "2", settings
+    assert "data.sample_group" not in loaders.loader_settings(BatchSampler(RandomSampler(range(8)), batch_size=4, drop_last=False))
+
+
 def test_the_loader_that_fetched_most_is_the_training_loader():
     session = Session()
     patches = install(session)

@@ -33,6 +33,28 @@ def test_without_a_distributed_sampler_only_overlap_is_judged():
     assert script_shard_audit(same).signature == "identical"
 
 
+def test_a_group_samplers_reads_shared_by_ranks_pass_and_split_groups_are_named():
+    # GRPO: 8 completions of each prompt, ranks of 4, so each prompt's reads go to both ranks, at the same steps.
+    groups = {"data.sample_group": "8", "data.group_rounds": "1"}
+
+    def rank(consumed, facts=groups):
+        return RankEvidence(consumed=consumed, extra=dict(facts), sampler=None, shard_source="loader")
+
+    shared = [rank([(0, [3] * 4), (0, [9] * 4)]) for _ in range(2)]
+    outcome = script_shard_audit(shared)
+    assert outcome.passed and "whole groups of 8" in outcome.message, outcome.message
+    assert script_shard_audit([r.model_copy(update={"extra": {}}) for r in shared]).signature == "identical"
+    twice = [rank([(0, [3] * 4), (0, [3] * 4)]) for _ in range(2)]  # 16 reads of prompt 3 in one epoch: one group too many
+    assert script_shard_audit(twice).signature == "identical"
+    more = [rank([(0, [3] * 4), (0, [9] * 4)]), rank([(0, [3] * 4), (0, [3] * 4)])]  # 12 reads of prompt 3
+    assert script_shard_audit(more).signature == "overlap 0-1"
+    apart = [rank([(0, [3] * 4), (0, [9] * 4)]), rank([(0, [5] * 4), (0, [9] * 4)])]  # rank 1's sampler drew prompt 5
+    outcome = script_shard_audit(apart)
+    assert outcome.signature == "split-groups 0-1" and "no whole group of 8" in outcome.message, outcome.message
+    # A rank with its own group size: judged as if each prompt were read once (the environment audit names it).
+    assert not script_shard_audit([shared[0], rank(shared[1].consumed, {"data.sample_group": "4", "data.group_rounds": "1"})]).passed
+
+
 def test_no_batches_is_not_measured():
     outcome = script_shard_audit([RankEvidence(shard_source="none") for _ in range(2)])
     assert outcome.passed and not outcome.measured and outcome.message.startswith("not measured")
