@@ -8,7 +8,9 @@ sharded (DTensor) parameters. Gradient accumulation over ``--accum`` micro-batch
 gradient is reduce-scattered only on the last micro-batch (``set_requires_gradient_sync``); with
 ``--sync-every-microbatch``, FSDP2's default (a reduce-scatter per micro-batch). ``--wrap ddp`` trains the
 same loop with DistributedDataParallel instead, for comparisons; ``--wrap fsdp1`` with the older
-``FullyShardedDataParallel`` (FSDP1, PyTorch's "Getting Started with FSDP" tutorial: every decoder layer a unit).
+``FullyShardedDataParallel`` (FSDP1, PyTorch's "Getting Started with FSDP" tutorial: every decoder layer a unit);
+``--wrap replicate`` with torch's composable DDP, ``replicate(model, device_mesh=...)``, as torchtitan's
+data-parallel-only path applies it (accumulating with ``set_requires_gradient_sync``, as under FSDP2).
 Logged per step (rank 0): the global token-weighted mean loss over the step's micro-batches.
 
 ``--reduce-dtype fp16|bf16``: ``MixedPrecisionPolicy(reduce_dtype=...)``, parameters in fp32: FSDP2 casts each
@@ -106,7 +108,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--sync-every-microbatch", action="store_true")
-    ap.add_argument("--wrap", choices=("fsdp", "ddp", "fsdp1"), default="fsdp")
+    ap.add_argument("--wrap", choices=("fsdp", "ddp", "fsdp1", "replicate"), default="fsdp")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -151,6 +153,11 @@ def main():
 
         layer_class = type(model.model.layers[0])
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_class}), device_id=torch.device("cpu"))
+    elif args.wrap == "replicate":  # torchtitan's apply_ddp
+        from torch.distributed._composable.replicate import replicate
+
+        replicate(model, device_mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_replicate",)),
+                  bucket_cap_mb=100)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     ds = AlpacaDataset(args.data, tok, args.max_len, args.rows)
@@ -189,7 +196,7 @@ def main():
             stats = torch.zeros(2)
             for index, (ids, lab) in enumerate(micro):
                 last = index == len(micro) - 1
-                if args.wrap == "fsdp" and not args.sync_every_microbatch:
+                if args.wrap in ("fsdp", "replicate") and not args.sync_every_microbatch:
                     model.set_requires_gradient_sync(last)
                 # DDP skips its all-reduce only when the forward, too, runs inside no_sync().
                 with model.no_sync() if args.wrap in ("ddp", "fsdp1") and not last else contextlib.nullcontext():

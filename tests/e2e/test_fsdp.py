@@ -33,6 +33,7 @@ def runs(tiny_llama, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("fsdp2")
     return {
         "ddp": _probe(tmp, tiny_llama, "ddp", direction="exact", script_args=("--wrap", "ddp")),
+        "replicate": _probe(tmp, tiny_llama, "replicate", direction="exact", script_args=("--wrap", "replicate")),
         "fsdp": _probe(tmp, tiny_llama, "fsdp", direction="exact", script_args=()),
         "fsdp-sketch": _probe(tmp, tiny_llama, "fsdp-sketch", direction="sketch", script_args=("--sync-every-microbatch",)),
         "hsdp": _probe(tmp, tiny_llama, "hsdp", direction="sketch", script_args=("--hsdp", "2")),
@@ -43,7 +44,7 @@ def _by_step_rank(out: Path) -> dict[tuple[int, int], dict]:
     return {(row["step"], row["rank"]): row for row in read_rows(out / "steps.jsonl")}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-sketch", "hsdp"])
+@pytest.mark.parametrize("name", ["ddp", "replicate", "fsdp", "fsdp-sketch", "hsdp"])
 def test_the_fsdp2_script_runs_unmodified_and_passes_its_audits(runs, name):
     out, done = runs[name]
     assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -51,7 +52,7 @@ def test_the_fsdp2_script_runs_unmodified_and_passes_its_audits(runs, name):
     assert result["status"] == "complete" and result["steps_completed"] == STEPS and result["loss_note"] is None
     audits = result["audits"]
     assert all(entry["passed"] for entry in audits.values()), {k: v["message"] for k, v in audits.items()}
-    if name == "ddp":
+    if name in ("ddp", "replicate"):
         assert audits["param_equality"]["measured"] and "sharded_state" not in audits
     else:
         # No replicas under FSDP2: the sharded-state audit compares what the ranks must share instead.
@@ -69,6 +70,16 @@ def test_exact_metrics_under_fsdp2_equal_the_same_loop_under_ddp(runs):
         assert row["loss"] == pytest.approx(ddp[key]["loss"], rel=1e-6), key
         assert row["grad_norm"] == pytest.approx(ddp[key]["grad_norm"], rel=1e-5), key
         assert row["cosine_to_mean"] == pytest.approx(ddp[key]["cosine_to_mean"], abs=1e-5), key
+
+
+def test_torchs_composable_replicate_is_measured_as_the_same_loop_under_ddp(runs):
+    # torchtitan's data-parallel path: DDP built at the model's first forward, run from the model's own hooks. It was
+    # refused (exit 2: "stepped its optimizer before a forward through its DistributedDataParallel model").
+    replicated, ddp = _by_step_rank(runs["replicate"][0]), _by_step_rank(runs["ddp"][0])
+    assert set(replicated) == set(ddp) == {(s, r) for s in range(STEPS) for r in range(4)}
+    for key, row in replicated.items():
+        assert [row[k] for k in ("loss", "tokens", "grad_norm", "cosine_to_mean")] == [
+            ddp[key][k] for k in ("loss", "tokens", "grad_norm", "cosine_to_mean")], key
 
 
 def test_sketch_mode_follows_a_reduce_scatter_per_microbatch(runs):

@@ -112,9 +112,12 @@ class Lockstep:
         A call of the wrapped module itself (``model.module(...)``) runs outside DDP and is left alone.
         """
         self.start()
+        # torch's composable replicate() runs DDP's pre-forward in a hook of the model itself (:mod:`.replicated`).
+        after_pre_forward = getattr(ddp, "register_module_pre_hook", None)
         return [ddp.register_forward_pre_hook(eager(self._entered)),
                 ddp.register_forward_hook(eager(self._left), always_call=True),
-                ddp.module.register_forward_pre_hook(eager(self._ddp_forward), prepend=True)]
+                after_pre_forward(eager(self._ddp_forward)) if after_pre_forward is not None
+                else ddp.module.register_forward_pre_hook(eager(self._ddp_forward), prepend=True)]
 
     def _entered(self, ddp: Any, args: Any) -> None:
         self._inside = ddp

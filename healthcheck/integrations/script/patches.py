@@ -5,6 +5,8 @@ original on exit, in reverse order, whatever happened in between.
 
 * ``DistributedDataParallel.__init__``: every DDP the script builds (directly, or through
   ``accelerate`` and ``transformers.Trainer``) is handed to the session right after it is built.
+* ``torch.distributed._composable.replicate``: a model made data-parallel by torch's composable DDP (torchtitan's
+  path) is handed to the session as the DDP it stands for, when the script calls it (:mod:`.replicated`).
 * ``DistributedDataParallel.register_comm_hook`` / ``_register_builtin_comm_hook``: DDP has one comm-hook slot.
   The monitor is made at the first forward and leaves a hook registered before it to the script (it reads
   ``.grad``); one registered later, where the monitor took the slot, gets a clear error, not DDP's RuntimeError.
@@ -41,7 +43,7 @@ import functools
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.script import clipping, refusals, seeds, step_facts, uneven_inputs
+from healthcheck.integrations.script import clipping, refusals, replicated, seeds, step_facts, uneven_inputs
 from healthcheck.integrations.script.lockstep import compared_first
 from healthcheck.measure.distributed import terminable_while_joining
 from healthcheck.measure.wait_clock import counted_as_waiting
@@ -120,6 +122,8 @@ def install(session: Any) -> Patches:
 
     def ddp_init(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if replicated.building():  # replicate()'s own DDP, at the first forward: the session has its model
+                return original(self, *args, **kwargs)
             session.before_ddp(original, args, kwargs)
             original(self, *args, **kwargs)
             session.on_ddp(self)
@@ -216,6 +220,7 @@ def install(session: Any) -> Patches:
         clipping.patch(patches, lambda *call: _clipped(session, *call))
         step_facts.patch(patches, lambda *call: session.scales.observe(*call), lambda optimizer: session.on_scaler_step(optimizer))
         uneven_inputs.patch(patches, lambda: not session.complete)
+        replicated.patch(patches, session.on_ddp)
         patches.wrap(random, "seed", seeds.seeding("python", lambda: session.seeds))
         patches.wrap(numpy.random, "seed", seeds.seeding("numpy", lambda: session.seeds))
     except BaseException:

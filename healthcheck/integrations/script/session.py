@@ -388,7 +388,7 @@ class ScriptSession:
         self.hooks.beat(step, "replay")
         self._keeper.paused = True
         try:
-            with self.capture.paused():  # the replay's forward is not the script's training
+            with self.capture.paused(), getattr(self.model, "bare", contextlib.nullcontext)():  # not the script's training
                 outcome = self._replay.check(step, self._keeper.batch or {})
         finally:
             self._keeper.paused = False
