@@ -13,9 +13,10 @@ original on exit, in reverse order, whatever happened in between.
 * ``torch.distributed.fsdp.fully_shard``: every module the script shards with FSDP2 is handed to the
   session, which takes the outermost one (the root, sharded last) as the trained model.
 * ``torch.distributed.fsdp.FullyShardedDataParallel.__init__`` (FSDP1): refused with a clear error before it shards
-  anything (:mod:`.refusals`). Its gradients are reduce-scattered from flat parameters that neither DDP's buckets nor FSDP2's
-  per-parameter shards describe, so nothing here would measure them; without this the script reached its first
-  optimizer step and was told it had no distributed model at all.
+  anything (:mod:`.refusals`). Its gradients are reduce-scattered from flat parameters that neither DDP's buckets nor
+  FSDP2's per-parameter shards describe, so nothing here would measure them; without this the script reached its
+  first optimizer step and was told it had no distributed model at all. So is ``replicate_with_fsdp.replicate``, FSDP2's
+  all-reducing sibling, which the session does not follow: it was told to wrap its model in DDP.
 * ``torch.distributed.init_process_group``: the session learns when the script's process group exists. DeepSpeed's
   engine, if the script imported it by then, is refused at its construction (:mod:`.refusals`).
 * ``torch.multiprocessing.spawn`` / ``start_processes``: a script that starts its own workers cannot be
@@ -68,6 +69,15 @@ BLOCKING_COLLECTIVES = (
     "scatter",
     "scatter_object_list",
 )
+
+
+def refused(message: str) -> Callable[..., Any]:
+    """A replacement that refuses the call: exit 2 with ``message``, before it does anything."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidInput(message)
+
+    return refuse
 
 
 class Patches:
@@ -155,10 +165,7 @@ def install(session: Any) -> Patches:
         return shard
 
     def no_fsdp1(original: Any) -> Any:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            raise InvalidInput(refusals.FSDP1_REFUSED)
-
-        return __init__
+        return refused(refusals.FSDP1_REFUSED)
 
     def init_process_group(original: Any) -> Any:
         def init(*args: Any, **kwargs: Any) -> Any:
@@ -203,6 +210,12 @@ def install(session: Any) -> Patches:
 
         patches.wrap(fsdp, "fully_shard", fully_shard)
         patches.wrap(fsdp.FullyShardedDataParallel, "__init__", no_fsdp1)
+        try:  # FSDP2's data-parallel sibling (torch >= 2.9): reduced by FSDP2's param groups, unmeasured
+            import torch.distributed._composable.replicate_with_fsdp as fsdp_replicate
+
+            patches.wrap(fsdp_replicate, "replicate", lambda original: refused(refusals.REPLICATE_WITH_FSDP_REFUSED))
+        except ImportError:
+            pass
         try:
             import torch.distributed._composable.fsdp as composable_fsdp
 

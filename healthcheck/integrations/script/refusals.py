@@ -32,11 +32,18 @@ from typing import Any, Iterable
 from healthcheck.errors import InvalidInput
 
 #: What healthcheck measures, as every refusal names it.
-MEASURED = "DistributedDataParallel and FSDP2 (torch.distributed.fsdp.fully_shard; with accelerate, fsdp_version: 2)"
+MEASURED = ("DistributedDataParallel (also torch.distributed._composable.replicate) and FSDP2 (torch.distributed.fsdp.fully_shard; "
+            "with accelerate, fsdp_version: 2)")
 
 #: What a script that wraps its model in FSDP1 is told (exit 2, before any rank shards it).
 FSDP1_REFUSED = (
     f"the script wraps its model in FullyShardedDataParallel (FSDP1), which healthcheck does not measure: it measures {MEASURED}"
+)
+
+#: What a script that makes its model data-parallel with FSDP2's replicate is told (exit 2, before it replicates).
+REPLICATE_WITH_FSDP_REFUSED = (
+    "the script makes its model data-parallel with torch.distributed._composable.replicate_with_fsdp (FSDP2's machinery, "
+    f"all-reducing), which healthcheck does not measure: it measures {MEASURED}"
 )
 
 #: What a script that trains through DeepSpeed is told (exit 2; at ``deepspeed.initialize`` where it can be).

@@ -68,3 +68,22 @@ def test_without_deepspeed_nothing_is_wrapped(monkeypatch):
 def test_a_step_without_a_measured_model_says_what_the_script_did(world_size, workers, modules, says):
     message = refusals.no_model_message(world_size, modules, workers)
     assert says in message and "\n" not in message
+
+
+def test_fsdp2s_replicate_is_refused_before_it_replicates_and_restored_after():
+    # FSDP2's all-reducing sibling: it was told "no DistributedDataParallel or FSDP2 model ... wrap it in DDP".
+    import torch
+    import torch.distributed._composable.replicate_with_fsdp as fsdp_replicate
+
+    from healthcheck.integrations.script.patches import install
+    from tests.unit.integrations.test_observe import Session
+
+    original = fsdp_replicate.replicate
+    patches = install(Session())
+    try:
+        with pytest.raises(InvalidInput, match="replicate_with_fsdp") as raised:
+            fsdp_replicate.replicate(torch.nn.Linear(2, 2))
+        assert refusals.MEASURED in str(raised.value) and "\n" not in str(raised.value)
+    finally:
+        patches.restore()
+    assert fsdp_replicate.replicate is original
