@@ -157,16 +157,18 @@ def test_trl_on_fsdp2_names_a_rank_that_scales_its_loss(tiny_llama, tmp_path):  
     assert [rank["precision"] for rank in result["environment"]["ranks"]] == ["bfloat16 (FSDP2 param_dtype)"] * 4
 
 
-def test_a_trainer_rank_with_neftune_on_fsdp2_is_named_by_the_replay_for_its_hook(tiny_llama, tmp_path):  # noqa: F811
+def test_a_trainer_rank_with_neftune_on_fsdp2_is_named_by_its_argument_and_by_the_replay(tiny_llama, tmp_path):  # noqa: F811
     # neftune_noise_alpha on rank 2 alone adds noise to its input embeddings through a forward hook. Nothing replicated
-    # differs under FSDP2 and the replay was not measured there: the probe passed. Every rank now replays one
-    # micro-batch through the sharded model; rank 2's hook makes its gradient differ, and the message sends the
-    # reader to the hook, not to the device.
+    # differed under FSDP2 and the replay was not measured there: the probe passed. Every rank now replays one
+    # micro-batch through the sharded model, and rank 2's hook makes its gradient differ; the Trainer's argument is
+    # named at step 0 too (trainer_args.py), and the replay sends the reader to it, not to the device.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS,
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=STEPS, extra=("--no-fail-fast",),
                                script_args=("--fsdp2", "--neftune-rank", "2")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    assert failed_ranks(out) == {"audit.replay": [2]}
-    message = json.loads((out / "result.json").read_text())["audits"]["replay"]["message"]
-    assert "rank 2 computed a different gradient at step 0" in message and "neftune_post_forward_hook" in message, message
+    assert failed_ranks(out) == {"audit.environment": [2], "audit.replay": [2]}
+    audits = json.loads((out / "result.json").read_text())["audits"]
+    assert "trainer.neftune_noise_alpha differs: ranks 0-1, 3 None; rank 2 5.0" in audits["environment"]["message"]
+    message = audits["replay"]["message"]
+    assert "rank 2 computed a different gradient at step 0" in message and "other settings (audit.environment)" in message, message
     assert "drain the node" not in message, message

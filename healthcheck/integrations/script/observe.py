@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from healthcheck.artifacts import RankInfo, SamplerPlan
 from healthcheck.integrations.script.loaders import LoaderRecord
+from healthcheck.integrations.script.trainer_args import trainer_args_facts
 from healthcheck.measure.evidence import rng_state_hashes
 from healthcheck.measure.module_facts import module_facts
 from healthcheck.measure.module_hooks import module_hooks
@@ -162,6 +163,7 @@ def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loade
         # How the loop calls the model: a rank that leaves out its attention mask attends to its padding.
         "train.forward_args": first_forward.get("forward_args", "none"),
         **(loader.settings if loader else {}),
+        **trainer_args_facts(),  # a transformers (or TRL) Trainer's arguments, where one is training
     }
 
 

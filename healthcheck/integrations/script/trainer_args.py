@@ -1,0 +1,87 @@
+"""The arguments of the ``transformers.Trainer`` a script trains with, one environment fact each (``trainer.<field>``).
+
+TRL's trainers are Trainers and their configs ``TrainingArguments`` (``SFTConfig``, ``DPOConfig``, ``GRPOConfig``). A
+rank whose node runs with a config of its own differs in one of them, and most differences reach the gradients only
+through a symptom, or not at all within a probe: on 4 ranks of TRL's ``GRPOTrainer`` (8 generations a prompt), one
+rank's ``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``max_completion_length=8`` or ``top_p=0.5`` each passed
+every audit; its ``temperature=0.5`` was taken by the replay audit for a device computing wrong, and a Trainer
+rank's ``lr_scheduler_type="cosine"`` was named a step later by the learning rate and the parameters, without the
+setting. Compared as facts at the first step, each is named by its field: ``trainer.top_p differs: ranks 0-1, 3 1.0;
+rank 2 0.5``.
+
+The Trainer is the ``self`` of a frame below the first optimizer step (its training loop calls the step): no patch
+of transformers, and nothing is imported. Fields that name this rank's files, not how it trains (``output_dir``, a
+temporary folder per rank in many scripts, and the other ``*_dir`` fields), are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import FrameType
+from typing import Any, Optional
+
+#: Fields that name this rank's place or files; any other ``*_dir`` field is left out too.
+PER_RANK = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_token"})
+
+#: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
+_LONGEST = 160
+
+#: Frames looked through for the Trainer: its training loop is a handful below the optimizer step's hooks.
+_DEPTH = 64
+
+
+def trainer_args_facts() -> dict[str, str]:
+    """``trainer.<field>`` for each of the running Trainer's arguments; empty where no Trainer is training.
+
+    >>> trainer_args_facts()  # no transformers Trainer below this call
+    {}
+    """
+    trainer = _running_trainer()
+    args = getattr(trainer, "args", None)
+    to_dict = getattr(args, "to_dict", None)
+    if not callable(to_dict):
+        return {}
+    try:
+        fields = to_dict()
+    except Exception:  # noqa: BLE001 - an argument class of another transformers: no facts rather than no probe
+        return {}
+    return {f"trainer.{name}": _text(value) for name, value in sorted(fields.items())
+            if name not in PER_RANK and not name.endswith("_dir")}
+
+
+def _running_trainer() -> Optional[Any]:
+    """The ``transformers.Trainer`` whose method is on the call stack, if transformers' trainer module is loaded."""
+    module = sys.modules.get("transformers.trainer")
+    trainer_class = getattr(module, "Trainer", None)
+    if trainer_class is None:
+        return None
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, trainer_class):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _text(value: Any) -> str:
+    """A field's value as the facts compare it: scalars as ``str``, containers as sorted JSON, long ones digested.
+
+    >>> _text(0.5), _text("cosine"), _text(None), _text({"b": 1, "a": [2]})
+    ('0.5', 'cosine', 'None', '{"a": [2], "b": 1}')
+    >>> _text("x" * 400)[-40:]
+    'xxxx... (400 chars, sha256 7b0bd700ce06)'
+    """
+    import hashlib
+
+    if isinstance(value, (dict, list, tuple)):
+        text = json.dumps(value, sort_keys=True, default=str)
+    else:
+        text = str(value)
+    if len(text) <= _LONGEST:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{text[:_LONGEST - 40]}... ({len(text)} chars, sha256 {digest})"
