@@ -11,7 +11,7 @@ rank 2 0.5``.
 
 The Trainer is the ``self`` of a frame below the first optimizer step (its training loop calls the step): no patch
 of transformers, and nothing is imported. Fields that name this rank's files, not how it trains (``output_dir``, a
-temporary folder per rank in many scripts, and the other ``*_dir`` fields), are left out.
+temporary folder per rank in many scripts, and the other ``*_dir`` fields), are left out (:data:`NOT_COMPARED`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ import sys
 from types import FrameType
 from typing import Any, Optional
 
-#: Fields that name this rank's place or files; any other ``*_dir`` field is left out too.
-PER_RANK = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_token"})
+#: Fields left out: those that name this rank's place or files (any ``*_dir`` field too), and the DDP settings the
+#: environment audit compares as DDP resolved them (``ddp.*``): the Trainer turns ``None`` into a value of its own, so
+#: one rank's ``ddp_find_unused_parameters=True`` among ranks with ``None`` builds the same DDP (checked by hand).
+#: ``ddp_timeout`` changes no collective, only how long one waits.
+NOT_COMPARED = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_token", "ddp_find_unused_parameters",
+                          "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout"})
 
 #: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
 _LONGEST = 160
@@ -47,7 +51,7 @@ def trainer_args_facts() -> dict[str, str]:
     except Exception:  # noqa: BLE001 - an argument class of another transformers: no facts rather than no probe
         return {}
     return {f"trainer.{name}": _text(value) for name, value in sorted(fields.items())
-            if name not in PER_RANK and not name.endswith("_dir")}
+            if name not in NOT_COMPARED and not name.endswith("_dir")}
 
 
 def _running_trainer() -> Optional[Any]:
