@@ -21,6 +21,8 @@ import contextlib
 import itertools
 from typing import Any, Callable, Iterator
 
+from healthcheck.errors import InvalidInput
+
 #: Set while a :class:`ReplicatedDDP` builds its inner DDP: the DDP patch leaves that one to it.
 _building: list[Any] = []
 
@@ -95,9 +97,12 @@ class ReplicatedDDP:
 
     def _replace_hooks(self) -> None:
         """Put the dispatchers where replicate's two hooks are, keeping their places among the model's hooks."""
-        state, module = self._state, self.module
-        pre_key = next(k for k, h in module._forward_pre_hooks.items() if getattr(h, "__func__", None) is type(state).forward_pre_hook)
-        post_key = next(k for k, h in module._forward_hooks.items() if getattr(h, "__func__", None) is type(state).forward_post_hook)
+        module, kind = self.module, type(self._state)
+        pre_key = next((k for k, h in module._forward_pre_hooks.items() if getattr(h, "__func__", None) is kind.forward_pre_hook), None)
+        post_key = next((k for k, h in module._forward_hooks.items() if getattr(h, "__func__", None) is kind.forward_post_hook), None)
+        if pre_key is None or post_key is None:  # another torch's replicate(): a clear refusal, not a StopIteration
+            raise InvalidInput("this torch's replicate() runs DDP from hooks healthcheck does not find on the model; probe the "
+                               "model wrapped in torch.nn.parallel.DistributedDataParallel instead")
         module._forward_pre_hooks[pre_key] = self._before
         module._forward_hooks[post_key] = self._after
 

@@ -60,3 +60,12 @@ def test_the_wrapper_hooks_run_around_ddps_forward_and_the_replay_runs_bare(one_
     finally:
         patches.restore()
     assert (HOME.replicate, torch.distributed._composable.replicate) == originals
+
+
+def test_a_model_without_replicates_hooks_is_refused_on_one_line():
+    # Another torch's replicate() could keep its hooks elsewhere: a clear exit 2, not a StopIteration in the script.
+    from healthcheck.errors import InvalidInput
+
+    state = HOME._ReplicateState()
+    with pytest.raises(InvalidInput, match="DistributedDataParallel instead"):
+        replicated.ReplicatedDDP(torch.nn.Linear(2, 2), state)
