@@ -23,10 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.script.observe import has_buffers, wrapper_facts
-from healthcheck.integrations.script.shard_agreement import sharding_facts
+from healthcheck.integrations.script.shard_agreement import ranks_agree, sharding_facts
 from healthcheck.judge.audit_outcome import AuditOutcome
-from healthcheck.judge.exact_audits import environment_audit
-from healthcheck.measure import distributed as hdist
 from healthcheck.measure.fsdp_internals import is_fsdp_module
 
 #: The wrapper facts (:func:`.observe.wrapper_facts`) that change the number or the sizes of DDP's collectives.
@@ -106,10 +104,9 @@ def constructor_facts(init: Callable[..., Any], args: tuple, kwargs: dict) -> Op
     return module, {INIT_SYNC: sync}
 
 
-def check_agreement(facts: dict[str, str]) -> AuditOutcome:
-    """Collective: gather every rank's ``facts`` (:func:`reduction_facts` or :func:`constructor_facts`) and compare
-    them (the same outcome on every rank)."""
-    return environment_audit(hdist.all_gather_objects(facts))
+def check_agreement(ddp: Any) -> AuditOutcome:
+    """Collective: gather every rank's :func:`reduction_facts` and compare them (the same outcome on every rank)."""
+    return ranks_agree(reduction_facts(ddp))
 
 
 def agreement_facts(model: Any) -> dict[str, str]:
@@ -122,6 +119,6 @@ def constructor_disagreement(init: Callable[..., Any], args: tuple, kwargs: dict
     """Collective where :func:`constructor_facts` has facts: the module, the failed comparison and this rank's facts,
     or None where the ranks agree (the same on every rank)."""
     given = constructor_facts(init, args, kwargs)
-    if given is None or (outcome := check_agreement(given[1])).passed:
+    if given is None or (outcome := ranks_agree(given[1])).passed:
         return None
     return given[0], outcome, given[1]

@@ -29,9 +29,8 @@ import sys
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.eager import eager
+from healthcheck.integrations.script.shard_agreement import ranks_agree
 from healthcheck.judge.audit_outcome import AuditOutcome
-from healthcheck.judge.exact_audits import environment_audit
-from healthcheck.measure import distributed as hdist
 
 #: The environment fact that says where a rank is before its first update (:func:`lockstep_fact`).
 LOCKSTEP = "train.before_first_update"
@@ -59,7 +58,7 @@ def lockstep_fact(forwards: int, at: str = "forward", sync: Optional[str] = None
 
 def check_lockstep(fact: str) -> AuditOutcome:
     """Collective: gather every rank's :func:`lockstep_fact` and compare them (the same outcome on every rank)."""
-    return environment_audit(hdist.all_gather_objects({LOCKSTEP: fact}))
+    return ranks_agree({LOCKSTEP: fact})
 
 
 class Lockstep:

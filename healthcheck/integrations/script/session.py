@@ -146,7 +146,7 @@ class ScriptSession:
         """The DDP model's first forward: where the ranks are, whether they reduce alike, then its monitor (:mod:`.monitor_start`)."""
         self._ddp_start.remove()  # its one call: the later forwards run without it
         self.lockstep.first_forward()  # the others may be at a collective of the script's
-        if not (outcome := ddp_agreement.check_agreement(ddp_agreement.reduction_facts(ddp))).passed:  # the same on every rank
+        if not (outcome := ddp_agreement.check_agreement(ddp)).passed:  # the same on every rank
             self._stop_at_start(ddp, outcome)
         self._registering = True
         try:

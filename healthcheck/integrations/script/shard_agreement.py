@@ -58,6 +58,13 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+def ranks_agree(facts: dict[str, str]) -> AuditOutcome:
+    """Collective: gather every rank's ``facts`` and compare them as the environment audit does (the same outcome on
+    every rank). What each check before the first update runs: the sharding here, DDP's settings
+    (:mod:`.ddp_agreement`), where the ranks are (:mod:`.lockstep`)."""
+    return environment_audit(hdist.all_gather_objects(facts))
+
+
 def check_agreement(root: Any) -> AuditOutcome:
     """Collective: gather every rank's :func:`sharding_facts` and compare them (the same outcome on every rank)."""
-    return environment_audit(hdist.all_gather_objects(sharding_facts(root)))
+    return ranks_agree(sharding_facts(root))
