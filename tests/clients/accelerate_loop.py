@@ -10,6 +10,9 @@ GPU host: accelerate keeps an FSDP plugin only for accelerator device types, so 
 are set by the test shim ``cpu_fsdp.py``, and everything after (prepare, accumulate, backward, clipping) is accelerate's own FSDP2 code.
 --clip N: accelerator.clip_grad_norm_(model.parameters(), N) before each update.
 --accum-rank R: rank R accumulates 4 micro-batches per update where the others accumulate 2 (a per-node setting).
+--save-every N --save-to DIR: accelerator.save_state(DIR/step_N) every N updates; --resume-from DIR/step_N:
+accelerator.load_state there, then skip_first_batches past the updates it made, as accelerate's
+complete_nlp_example.py resumes (--resume-rank R:DIR: rank R loads DIR instead, its node's own copy).
 
 Knows nothing about healthcheck. Each micro-batch loss is the model's own `outputs.loss` (HF token mean over this
 rank's micro-batch, labels -100 on prompt tokens). Logged per optimizer step (rank 0), the usual accelerate-example
@@ -53,7 +56,13 @@ def main():
     ap.add_argument("--stream", action="store_true",
                     help="the examples as an IterableDataset; dispatch_batches=False, so each rank keeps its slice of "
                          "every global batch (accelerate's IterableDatasetShard): dispatching needs equal-sized batches")
+    ap.add_argument("--save-every", type=int, default=0, help="accelerator.save_state every N updates")
+    ap.add_argument("--save-to", default=None, help="the folder of those states (step_N each)")
+    ap.add_argument("--resume-from", default=None, help="accelerator.load_state from this step_N folder")
+    ap.add_argument("--resume-rank", default=None, metavar="R:DIR", help="rank R resumes from DIR instead")
     args = ap.parse_args()
+    if args.resume_rank and int(args.resume_rank.split(":", 1)[0]) == int(os.environ.get("RANK", 0)):
+        args.resume_from = args.resume_rank.split(":", 1)[1]
 
     state = {} if args.power_sgd_start is None else {"start_powerSGD_iter": args.power_sgd_start}
     ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook),
@@ -100,9 +109,14 @@ def main():
     if accelerator.is_main_process and os.path.exists(args.log):
         os.remove(args.log)
     step, micro_losses = 0, []
+    epoch_loader = loader
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        step = int(os.path.basename(os.path.normpath(args.resume_from)).removeprefix("step_"))
+        epoch_loader = accelerator.skip_first_batches(loader, step * accumulation)
     model.train()
     while step < args.steps:
-        for batch in loader:
+        for batch in epoch_loader:
             with accelerator.accumulate(model):
                 outputs = model(**batch)
                 loss = outputs.loss
@@ -120,8 +134,11 @@ def main():
                     with open(args.log, "a") as f:
                         f.write(json.dumps({"step": step, "loss": logged}) + "\n")
                     accelerator.print(f"step {step} loss {logged:.5f}")
+                if args.save_every and step % args.save_every == 0:
+                    accelerator.save_state(os.path.join(args.save_to, f"step_{step}"))
                 if step >= args.steps:
                     break
+        epoch_loader = loader
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

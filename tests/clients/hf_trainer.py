@@ -15,6 +15,9 @@ per-node launch config that switches it on would.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
 forward hook the Trainer registers), as a per-node launch config that switches it on would.
 `--override R:KEY=VALUE` (repeatable): rank R's `TrainingArguments.KEY` is VALUE, a per-node config (`1:max_grad_norm=0.5`).
+`--output-dir DIR --save-steps N` keeps a checkpoint every N steps in DIR (`checkpoint-N`); `--resume DIR` sets
+`resume_from_checkpoint`, which the script hands to `trainer.train` as transformers' example scripts do (a rank's
+own copy: `--override R:resume_from_checkpoint=DIR`).
 `--fsdp2`: `TrainingArguments(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, ...})`, the Trainer's FSDP2 path
 (accelerate's `fully_shard` per decoder layer, its DTensor gradient clipping and sharded optimizer), as on a GPU host:
 see `cpu_fsdp.py`.
@@ -89,7 +92,11 @@ def main(output_dir: str):
                     help="rank R's TrainingArguments KEY is VALUE (a Python literal, else the string): a per-node config")
     ap.add_argument("--fsdp2", action="store_true", help="the Trainer's FSDP2 path (fully_shard per decoder layer)")
     ap.add_argument("--lora-alpha-rank", type=int, default=-1, help="with --lora: this rank scales its adapters twice as much")
+    ap.add_argument("--output-dir", default=None, help="keep the checkpoints here (a temporary folder otherwise)")
+    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (none by default)")
+    ap.add_argument("--resume", default=None, help="TrainingArguments(resume_from_checkpoint=...)")
     args = ap.parse_args()
+    output_dir = args.output_dir or output_dir
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -134,7 +141,9 @@ def main(output_dir: str):
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        resume_from_checkpoint=args.resume,
         disable_tqdm=True,
         seed=1234,
         dataloader_num_workers=0,
@@ -153,10 +162,10 @@ def main(output_dir: str):
     apply_overrides(targs, args.override)
     trainer = (FsdpTrainer if args.fsdp2 else Trainer)(model=model, args=targs, train_dataset=ds, data_collator=collate)
     trainer.add_callback(LossFile(args.log))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
 
 
 if __name__ == "__main__":
-    # save_strategy="no": nothing is kept there, and the folder goes however training ends.
+    # Without --output-dir nothing is kept there, and the folder goes however training ends.
     with tempfile.TemporaryDirectory(prefix="hf_trainer_") as scratch:
         main(scratch)

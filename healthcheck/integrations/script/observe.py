@@ -18,6 +18,7 @@ from healthcheck.integrations.script.trainer_args import trainer_args_facts
 from healthcheck.measure.evidence import rng_state_hashes
 from healthcheck.measure.module_facts import module_facts
 from healthcheck.measure.module_hooks import module_hooks
+from healthcheck.measure.start_state import optimizer_state_fact, parameters_fact
 
 
 def first_forward_facts(module: Any) -> dict[str, Any]:
@@ -159,6 +160,8 @@ def start_facts(first_forward: dict[str, Any], optimizer: Any, model: Any, loade
         **first_forward.get("module", {}),
         **optimizer_facts(optimizer),
         **wrapper_facts(model),
+        # Read before the first update: parameters loaded after DDP's broadcast (a resumed run's) are not shared.
+        **({"model.parameters": parameters} if (parameters := parameters_fact(model)) is not None else {}),
         "train.forwards_in_step_0": str(forwards),
         # How the loop calls the model: a rank that leaves out its attention mask attends to its padding.
         "train.forward_args": first_forward.get("forward_args", "none"),
@@ -175,7 +178,9 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     """The optimizer's class and its parameter groups' hyperparameters (a rank with its own learning rate differs
     here before its parameters do): the first group's as ``optimizer.<name>``, the next ones' as
     ``optimizer[i].<name>`` (a rank whose no-decay group, or its embeddings' group, has its own learning rate was
-    named only by ``param_equality``, a step later, without the setting), and beyond them a digest.
+    named only by ``param_equality``, a step later, without the setting), and beyond them a digest; and, read
+    before the first update, its state (``optimizer.state``: a resumed run's, which DDP never broadcasts;
+    :mod:`healthcheck.measure.start_state`).
 
     >>> import torch
     >>> weight, bias = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
@@ -199,6 +204,8 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     if rest:
         digest = hashlib.sha256(repr(rest).encode()).hexdigest()[:12]
         facts[f"optimizer[{_GROUPS_NAMED + 1}:]"] = f"{len(rest)} groups, sha256 {digest}"
+    if (state := optimizer_state_fact(optimizer)) is not None:
+        facts["optimizer.state"] = state
     return facts
 
 

@@ -11,7 +11,10 @@ rank 2 0.5``.
 
 The Trainer is the ``self`` of a frame below the first optimizer step (its training loop calls the step): no patch
 of transformers, and nothing is imported. Fields that name this rank's files, not how it trains (``output_dir``, a
-temporary folder per rank in many scripts, and the other ``*_dir`` fields), are left out (:data:`NOT_COMPARED`).
+temporary folder per rank in many scripts, and the other ``*_dir`` fields, and ``resume_from_checkpoint``), are left
+out (:data:`NOT_COMPARED`). What a resumed checkpoint holds is compared instead: the step the Trainer resumed at
+(``trainer.state.global_step``; a node whose copy of ``trainer_state.json`` is stale skips other batches and stops
+at another step), the optimizer's state and the parameters (:mod:`healthcheck.measure.start_state`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Optional
 #: one rank's ``ddp_find_unused_parameters=True`` among ranks with ``None`` builds the same DDP (checked by hand).
 #: ``ddp_timeout`` changes no collective, only how long one waits.
 NOT_COMPARED = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_token", "ddp_find_unused_parameters",
-                          "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout"})
+                          "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout", "resume_from_checkpoint"})
 
 #: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
 _LONGEST = 160
@@ -50,8 +53,12 @@ def trainer_args_facts() -> dict[str, str]:
         fields = to_dict()
     except Exception:  # noqa: BLE001 - an argument class of another transformers: no facts rather than no probe
         return {}
-    return {f"trainer.{name}": _text(value) for name, value in sorted(fields.items())
-            if name not in NOT_COMPARED and not name.endswith("_dir")}
+    facts = {f"trainer.{name}": _text(value) for name, value in sorted(fields.items())
+             if name not in NOT_COMPARED and not name.endswith("_dir")}
+    step = getattr(getattr(trainer, "state", None), "global_step", None)
+    if step is not None:
+        facts["trainer.state.global_step"] = str(step)
+    return facts
 
 
 def _running_trainer() -> Optional[Any]:
