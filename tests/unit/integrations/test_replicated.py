@@ -7,7 +7,6 @@ import importlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from healthcheck.integrations.script import replicated
@@ -15,15 +14,6 @@ from healthcheck.integrations.script.patches import Patches
 
 pytestmark = pytest.mark.unit
 HOME = importlib.import_module("torch.distributed._composable.replicate")
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_wrapper_hooks_run_around_ddps_forward_and_the_replay_runs_bare(one_rank):
