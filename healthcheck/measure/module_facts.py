@@ -25,7 +25,12 @@ exactly, as strings, like the optimizer's hyperparameters:
   only the replay audit noticed a rank with twice the others' ``lora_alpha``, and it advised draining the node;
 * ``model.modules.<type>``: for each module type with settings in its ``extra_repr`` (``LayerNorm``'s eps,
   ``GELU``'s approximation, a norm's shape), the distinct settings and how many modules have each. This is
-  the same check for a model without a transformers config: another revision of the model code on one node.
+  the same check for a model without a transformers config: another revision of the model code on one node;
+* ``model.compile``: the modules ``torch.compile`` compiled, wrapped (``torch.compile(module)``) or in place
+  (``module.compile()``). A rank that compiles where the others run eagerly computes the same function with other
+  kernels: on 3 ranks of a DDP loop, a rank compiled before ``DDP(...)`` was named only as ``model.eval_modules
+  differs: ... none of 33 ...; rank 1 none of 34`` (the wrapper counted as a module), and one compiled in place
+  passed. The wrappers are left out of the other facts, and ``_orig_mod`` out of the names.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ IGNORED_ADAPTER_KEYS = frozenset({"base_model_name_or_path"})
 MAX_VALUE_CHARS = 120
 #: A device index in a module's settings (``cuda:3``) is per rank by design, not a difference.
 _DEVICE_INDEX = re.compile(r"\b(cuda|npu|xpu|mps|hpu):\d+")
+#: torch.compile's wrapper names the module it wraps ``_orig_mod``: the same module, named as without it.
+_ORIG_MOD = re.compile(r"(?:^|\.)_orig_mod(?=\.|$)")
 
 
 def module_facts(model: Any) -> dict[str, str]:
@@ -63,7 +70,8 @@ def module_facts(model: Any) -> dict[str, str]:
     """
     from torch.nn.modules.dropout import _DropoutNd
 
-    named = list(model.named_modules())
+    every = list(model.named_modules())
+    named = [(_ORIG_MOD.sub("", name).strip("."), module) for name, module in every if not _is_compile_wrapper(module)]
     rates: Counter[float] = Counter()
     for _, module in named:
         if isinstance(module, _DropoutNd):
@@ -76,6 +84,7 @@ def module_facts(model: Any) -> dict[str, str]:
         "model.dropout": ", ".join(f"p={p:g} in {n} module{'s' if n > 1 else ''}" for p, n in sorted(rates.items()))
         or "none",
         "model.eval_modules": _eval_modules(named),
+        "model.compile": compiled_modules(every),
     }
     config = _transformers_config(named)
     kernel = getattr(config, "_attn_implementation", None)
@@ -86,6 +95,31 @@ def module_facts(model: Any) -> dict[str, str]:
     facts.update(adapter_settings(named))
     facts.update(module_settings(named))
     return facts
+
+
+def compiled_modules(named: list[tuple[str, Any]]) -> str:
+    """The modules ``torch.compile`` compiled and how, with how many of each, or ``none``.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> compiled_modules(list(net.named_modules()))
+    'none'
+    >>> net[0].compile(); net[1].compile()
+    >>> compiled_modules(list(torch.compile(net).named_modules()))
+    '2x Linear (in place), 1x Sequential (wrapped)'
+    """
+    kinds: Counter[str] = Counter()
+    for _, module in named:
+        if _is_compile_wrapper(module):
+            kinds[f"{type(module._orig_mod).__name__} (wrapped)"] += 1
+        elif getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+            kinds[f"{type(module).__name__} (in place)"] += 1
+    return ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items())) or "none"
+
+
+def _is_compile_wrapper(module: Any) -> bool:
+    """torch.compile's ``OptimizedModule``: a wrapper whose one child, ``_orig_mod``, is the compiled module."""
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
 def module_settings(named: list[tuple[str, Any]]) -> dict[str, str]:

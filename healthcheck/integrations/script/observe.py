@@ -42,9 +42,39 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
         "device": str(device),
         "model_dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else "none",
         # Dropout rates, eval-mode modules and the attention kernel, as this forward runs them.
-        "module": module_facts(module),
+        "module": {**(settings := module_facts(module)), "model.compile": _compile_fact(module, settings["model.compile"])},
         "hooks": module_hooks(module),
     }
+
+
+#: Frames looked through for a torch.compile wrapper calling the model: a handful between its call and this hook.
+_DEPTH = 32
+
+
+def _compile_fact(module: Any, inside: str) -> str:
+    """``model.compile`` with the wrapper that calls ``module``, or the DDP model around it, where one does:
+    ``torch.compile(DDP(model))`` leaves no trace in the model's tree, so a rank compiled that way alone passed every
+    check.
+    Read from the frames below this forward's hook (the wrapper's ``self``), as :mod:`.trainer_args` finds the Trainer.
+
+    >>> import torch
+    >>> _compile_fact(torch.nn.Linear(2, 2), "none")  # called by no compiled wrapper
+    'none'
+    """
+    import sys
+    from types import FrameType
+
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(_DEPTH):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        wrapped = getattr(caller, "_orig_mod", None) if type(caller).__name__ == "OptimizedModule" else None
+        if wrapped is not None and (wrapped is module or getattr(wrapped, "module", None) is module):  # DDP's .module
+            wrapper = f"1x {type(wrapped).__name__} (wrapped)"
+            return wrapper if inside == "none" else f"{wrapper}, {inside}"
+        frame = frame.f_back
+    return inside
 
 
 def sharded_compute_dtype(module: Any) -> Optional[str]:

@@ -131,6 +131,35 @@ def test_first_forward_facts_read_the_precision_and_the_seed():
         assert observe.first_forward_facts(model)["precision"] == "bfloat16 autocast"
 
 
+def test_a_compiled_model_is_named_however_it_was_compiled(one_rank):
+    # The session reads the facts in a pre-hook on DDP's module, run eagerly inside a compiled region.
+    from torch.nn.parallel import DistributedDataParallel
+
+    from healthcheck.integrations.eager import eager
+
+    def compile_fact(ddp, call):
+        seen = []
+        handle = ddp.module.register_forward_pre_hook(eager(lambda module, args: seen.append(
+            observe.first_forward_facts(module)["module"]["model.compile"])))
+        call(torch.ones(3, 2))
+        handle.remove()
+        return seen[0]
+
+    eager_ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert compile_fact(eager_ddp, eager_ddp) == "none"
+    # torch.compile(DDP(model)): nothing in the model's tree shows it; the wrapper calling DDP does.
+    assert compile_fact(eager_ddp, torch.compile(eager_ddp, backend="eager")) == "1x DistributedDataParallel (wrapped)"
+    inner = torch.compile(torch.nn.Sequential(torch.nn.Linear(2, 2)), backend="eager")  # DDP(torch.compile(model))
+    wrapped_first = DistributedDataParallel(inner)
+    assert compile_fact(wrapped_first, wrapped_first) == "1x Sequential (wrapped)"
+    # The wrapper is no module of the model's: the other facts read as an eager rank's.
+    assert observe.first_forward_facts(inner)["module"]["model.eval_modules"] == "none of 2 in eval mode"
+    in_place = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    in_place[0].compile(backend="eager")
+    in_place_ddp = DistributedDataParallel(in_place)
+    assert compile_fact(in_place_ddp, in_place_ddp) == "1x Linear (in place)"
+
+
 def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness():
     import random
 

@@ -29,6 +29,7 @@ def test_dropout_modules_count_once_and_a_model_without_any_says_none():
     assert module_facts(torch.nn.Linear(2, 2)) == {
         "model.dropout": "none",
         "model.eval_modules": "none of 1 in eval mode",
+        "model.compile": "none",
         "model.modules.Linear": "1x in_features=2, out_features=2, bias=True",
     }
 
