@@ -6,12 +6,15 @@ torchrun --nproc_per_node 2 -- trl_dpo.py --model DIR --data JSON --steps 3 --lo
 Knows nothing about healthcheck, unless ``--record-loss`` (each rank's DPO loss over its pairs, reported with
 ``healthcheck.record_loss`` from the trainer's ``compute_loss``). TRL computes the policy's per-token log-probs with
 the same fused head as its SFTTrainer, sums them per sequence, and trains ``-logsigmoid(beta * (chosen - rejected))``
-against a frozen copy of the model (the reference, which TRL makes itself). Appends each logged per-step "loss"
-(logging_steps=1) to --log as JSON lines on rank 0, as it is logged.
+against a frozen copy of the model (the reference, which TRL makes itself; ``--ref-model DIR`` loads it from DIR
+instead, as a run whose reference is an earlier checkpoint does, and ``--ref-model-rank R:DIR`` gives rank R its own,
+a node whose copy is another revision). Appends each logged per-step "loss" (logging_steps=1) to --log as JSON lines
+on rank 0, as it is logged.
 """
 
 import argparse
 import json
+import os
 import tempfile
 
 from datasets import Dataset
@@ -42,7 +45,11 @@ def main(output_dir: str):
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--record-loss", action="store_true", help="report each rank's DPO loss with healthcheck.record_loss")
+    ap.add_argument("--ref-model", default=None, help="the reference model's folder (a copy of --model by default)")
+    ap.add_argument("--ref-model-rank", default=None, metavar="R:DIR", help="rank R loads its reference from DIR")
     args = ap.parse_args()
+    if args.ref_model_rank and int(args.ref_model_rank.split(":", 1)[0]) == int(os.environ.get("RANK", 0)):
+        args.ref_model = args.ref_model_rank.split(":", 1)[1]
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -66,7 +73,9 @@ def main(output_dir: str):
         seed=1234,
         dataloader_num_workers=0,
     )
-    trainer = (RecordedLoss if args.record_loss else DPOTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    reference = AutoModelForCausalLM.from_pretrained(args.ref_model) if args.ref_model else None
+    trainer = (RecordedLoss if args.record_loss else DPOTrainer)(model=model, ref_model=reference, args=cfg, train_dataset=ds,
+                                                                 processing_class=tok)
     trainer.add_callback(LossFile(args.log))
     trainer.train()
 

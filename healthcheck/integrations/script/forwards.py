@@ -10,6 +10,8 @@ are those of the first training forward, before its randomness was drawn. Usuall
 its backward runs before the next one. With them go the forward's arguments (:func:`forward_arguments`): a rank
 whose loop calls the model without its ``attention_mask`` (a per-node flag for a padding-free path) attends to
 its padding, and neither its batches, its settings nor its statistics on a freshly initialised model showed it.
+The other models that run before the first update (a reference, a teacher) are watched from the same attach to the
+same stop (:mod:`.other_models`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.eager import eager
+from healthcheck.integrations.script.other_models import OtherModels
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: How deep the output is searched for tensors (a ModelOutput, a tuple of them, a dict of losses).
@@ -38,10 +41,12 @@ class TrainingForwards:
         self.facts: Optional[dict[str, Any]] = None  #: read before the first of them
         self.backwards = 0  #: backwards through the model's output, all run long (:mod:`.updates`)
         self._pending: Optional[dict[str, Any]] = None
+        self._others = OtherModels()
         self._stopped = False
 
     def attach(self, module: Any) -> list[Any]:
-        """Hook ``module``'s forwards; returns the handles. The hooks are compiled around, never into."""
+        """Hook ``module``'s forwards, and the other models'; returns the handles. The hooks are compiled around, never into."""
+        self._others.watch(module)
         return [module.register_forward_pre_hook(eager(self.before), with_kwargs=True), module.register_forward_hook(eager(self.after))]
 
     def before(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -89,6 +94,10 @@ class TrainingForwards:
         backwarded, as with a model whose outputs need no gradient; empty when no forward ran)."""
         self._stopped = True
         return self.facts or self._pending or {}
+
+    def other_model_facts(self) -> dict[str, str]:
+        """At the first update: the parameters of the other models that ran before it (:mod:`.other_models`)."""
+        return self._others.facts()
 
 
 def forward_arguments(args: tuple, kwargs: dict) -> str:

@@ -349,7 +349,7 @@ class ScriptSession:
         facts = self.forwards.stop()
         loader = self.loaders.training_loader()
         start = observe.start_facts(facts, optimizer, self.model, loader, self.forwards.count)
-        start.update(self.forwards.reduction_facts(self.model))
+        start.update({**self.forwards.reduction_facts(self.model), **self.forwards.other_model_facts()})
         self.audit.extra.update({**start, **self.capture.loss_settings(), **self.clips.facts()})
         if "rng" in facts:
             self.audit.rng["rng_start"] = facts["rng"]
