@@ -64,12 +64,14 @@ def parameters_fact(module: Any) -> Optional[str]:
 
 
 def _state_entries(optimizer: Any) -> Iterator[tuple[str, Any]]:
-    """Each parameter's state, in the parameter groups' order (a dict's order would follow the state's loading)."""
+    """Each parameter's state, in the parameter groups' order (a dict's order would follow the state's loading); a
+    list of tensors (L-BFGS's history) as its items, so that each is hashed, not printed."""
     state = getattr(optimizer, "state", {})
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             for key, value in sorted(state.get(parameter, {}).items(), key=lambda item: str(item[0])):
-                yield str(key), value
+                items = value if isinstance(value, (list, tuple)) else [value]
+                yield from ((str(key), item) for item in items)
 
 
 def _digest(tensors: list[Any], others: list[str]) -> str:

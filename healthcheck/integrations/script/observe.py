@@ -54,8 +54,8 @@ _DEPTH = 32
 def _compile_fact(module: Any, inside: str) -> str:
     """``model.compile`` with the wrapper that calls ``module``, or the DDP model around it, where one does:
     ``torch.compile(DDP(model))`` leaves no trace in the model's tree, so a rank compiled that way alone passed every
-    check.
-    Read from the frames below this forward's hook (the wrapper's ``self``), as :mod:`.trainer_args` finds the Trainer.
+    check. Read from the frames below this forward's hook (the wrapper's ``self``), as :mod:`.trainer_args` finds
+    the Trainer.
 
     >>> import torch
     >>> _compile_fact(torch.nn.Linear(2, 2), "none")  # called by no compiled wrapper

@@ -16,6 +16,7 @@ out, as the trained model's own are (:mod:`healthcheck.measure.start_state`).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any, Optional
 
@@ -27,7 +28,8 @@ class OtherModels:
     """Pre-hooks on every module of the other models, from :meth:`watch` to :meth:`facts`."""
 
     def __init__(self) -> None:
-        self._roots: dict[int, Any] = {}
+        #: Weak: a model the script lets go of before its first update (a teacher whose logits it kept) is freed.
+        self._roots: dict[int, weakref.ref] = {}
         self._called: set[int] = set()
         self._handles: list[Any] = []
 
@@ -35,8 +37,9 @@ class OtherModels:
         """Find the other models (the trained model is the one holding ``trained``'s parameters) and hook them."""
         if self._roots or self._handles:
             return
-        self._roots = {id(root): root for root in other_roots(trained)}
-        for key, root in self._roots.items():
+        for root in other_roots(trained):
+            key = id(root)
+            self._roots[key] = weakref.ref(root)
             hook = eager(lambda module, args, key=key: self._called.add(key))
             self._handles += [module.register_forward_pre_hook(hook) for module in root.modules()]
 
@@ -45,8 +48,8 @@ class OtherModels:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        described = sorted((type(root).__name__, fact) for key, root in self._roots.items()
-                           if key in self._called and (fact := _parameters(root)) is not None)
+        ran = [root for key, ref in self._roots.items() if key in self._called and (root := ref()) is not None]
+        described = sorted((type(root).__name__, fact) for root in ran if (fact := _parameters(root)) is not None)
         self._roots = {}
         seen: Counter[str] = Counter()
         facts = {}

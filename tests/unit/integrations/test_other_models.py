@@ -41,3 +41,17 @@ def test_a_model_sharing_parameters_with_the_trained_one_is_no_other_model():
     others.watch(student)
     wrapper(torch.ones(1, 2))
     assert others.facts() == {}
+
+
+def test_a_model_let_go_of_before_the_first_update_is_freed_not_kept():
+    import gc
+    import weakref
+
+    student, teacher = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    others = OtherModels()
+    others.watch(student)
+    teacher(torch.ones(1, 2))  # its logits kept, the teacher freed (on a GPU, its memory)
+    gone = weakref.ref(teacher)
+    del teacher
+    gc.collect()
+    assert gone() is None and others.facts() == {}

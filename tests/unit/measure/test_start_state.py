@@ -74,3 +74,15 @@ def test_a_state_each_rank_holds_a_part_of_gives_no_fact(one_rank):
     sharded(torch.ones(2, 4)).sum().backward()
     adam.step()
     assert optimizer_state_fact(adam) is None and parameters_fact(sharded) is None  # FSDP2's DTensor shards
+
+
+def test_a_history_of_tensors_is_hashed_item_by_item():
+    # L-BFGS keeps lists of tensors: each is hashed, so one changed element changes the fact.
+    weight = torch.nn.Parameter(torch.ones(3))
+    lbfgs = torch.optim.LBFGS([weight], history_size=3)
+    lbfgs.step(lambda: (weight.square().sum().backward(), weight.square().sum())[1])
+    before = optimizer_state_fact(lbfgs)
+    history = lbfgs.state[weight]["old_dirs"]
+    assert history and " tensors, bits " in before, before
+    history[0].view(-1)[0] += 1.0
+    assert optimizer_state_fact(lbfgs) != before
