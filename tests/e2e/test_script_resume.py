@@ -24,9 +24,10 @@ pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not
 
 def client_alone(client: str, model: Path, log: Path, *script_args: str) -> None:
     """The client under torchrun on one rank, as its user would run it to write the checkpoints."""
-    done = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "--",
-                        str(CLIENTS / f"{client}.py"), "--model", str(model), "--data", str(DATA), "--log", str(log),
-                        *script_args], timeout=300)
+    # --log-dir beside the log: torchrun's default is a /tmp/torchelastic_* folder it never removes.
+    done = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        "--log-dir", str(log.with_suffix(".torchrun")), "--", str(CLIENTS / f"{client}.py"), "--model",
+                        str(model), "--data", str(DATA), "--log", str(log), *script_args], timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
