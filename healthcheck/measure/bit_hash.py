@@ -48,9 +48,11 @@ def tensor_bit_hash(tensor: Any) -> Any:
 
 
 def parameter_hashes(parameters: Sequence[Any]) -> Any:
-    """One :func:`tensor_bit_hash` per parameter, as a 1-D int64 tensor on the parameters' device."""
+    """One :func:`tensor_bit_hash` per tensor, as a 1-D int64 tensor on the first one's device (an optimizer's state
+    mixes devices: AdamW keeps its ``step`` counts on the host beside moments on the GPU)."""
     import torch
 
     if not parameters:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([tensor_bit_hash(p) for p in parameters])
+    device = parameters[0].device
+    return torch.stack([tensor_bit_hash(p).to(device) for p in parameters])

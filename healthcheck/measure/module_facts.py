@@ -71,7 +71,7 @@ def module_facts(model: Any) -> dict[str, str]:
     from torch.nn.modules.dropout import _DropoutNd
 
     every = list(model.named_modules())
-    named = [(_ORIG_MOD.sub("", name).strip("."), module) for name, module in every if not _is_compile_wrapper(module)]
+    named = [(_ORIG_MOD.sub("", name).strip("."), module) for name, module in every if not is_compile_wrapper(module)]
     rates: Counter[float] = Counter()
     for _, module in named:
         if isinstance(module, _DropoutNd):
@@ -110,14 +110,14 @@ def compiled_modules(named: list[tuple[str, Any]]) -> str:
     """
     kinds: Counter[str] = Counter()
     for _, module in named:
-        if _is_compile_wrapper(module):
+        if is_compile_wrapper(module):
             kinds[f"{type(module._orig_mod).__name__} (wrapped)"] += 1
         elif getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
             kinds[f"{type(module).__name__} (in place)"] += 1
     return ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items())) or "none"
 
 
-def _is_compile_wrapper(module: Any) -> bool:
+def is_compile_wrapper(module: Any) -> bool:
     """torch.compile's ``OptimizedModule``: a wrapper whose one child, ``_orig_mod``, is the compiled module."""
     return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 

@@ -75,14 +75,10 @@ def _state_entries(optimizer: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _digest(tensors: list[Any], others: list[str]) -> str:
-    """sha256 of the tensors' bit hashes (one host copy per device) and of the other values' text, 12 hex digits."""
-    import torch
+    """sha256 of the tensors' bit hashes (one host copy) and of the other values' text, 12 hex digits."""
+    from healthcheck.measure.bit_hash import parameter_hashes
 
-    from healthcheck.measure.bit_hash import tensor_bit_hash
-
-    hashes = [tensor_bit_hash(tensor) for tensor in tensors]
-    first = hashes[0].device if hashes else torch.device("cpu")
-    values = torch.stack([h.to(first) for h in hashes]).cpu().tolist() if hashes else []
+    values = parameter_hashes(tensors).cpu().tolist()
     shapes = [tuple(tensor.shape) for tensor in tensors]
     return hashlib.sha256(repr((values, shapes, others)).encode()).hexdigest()[:12]
 

@@ -28,6 +28,7 @@ import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 from cpu_fsdp import keep_fsdp_plugin
+from per_rank import this_rank
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,8 +62,7 @@ def main():
     ap.add_argument("--resume-from", default=None, help="accelerator.load_state from this step_N folder")
     ap.add_argument("--resume-rank", default=None, metavar="R:DIR", help="rank R resumes from DIR instead")
     args = ap.parse_args()
-    if args.resume_rank and int(args.resume_rank.split(":", 1)[0]) == int(os.environ.get("RANK", 0)):
-        args.resume_from = args.resume_rank.split(":", 1)[1]
+    args.resume_from = this_rank(args.resume_rank) or args.resume_from
 
     state = {} if args.power_sgd_start is None else {"start_powerSGD_iter": args.power_sgd_start}
     ddp_kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(args.comm_hook),

@@ -9,14 +9,23 @@ import ast
 import os
 
 
+def this_rank(spec):
+    """The VALUE of an ``R:VALUE`` spec whose R is this process's ``RANK``; None for another rank's, or no spec."""
+    if spec is None:
+        return None
+    rank, value = spec.split(":", 1)
+    return value if int(rank) == int(os.environ.get("RANK", 0)) else None
+
+
 def apply_overrides(training_args, overrides):
     """Set each ``R:KEY=VALUE`` of ``overrides`` whose R is this process's ``RANK`` on ``training_args``."""
     for override in overrides:
-        rank, setting = override.split(":", 1)
+        setting = this_rank(override)
+        if setting is None:
+            continue
         key, value = setting.split("=", 1)
-        if int(rank) == int(os.environ.get("RANK", 0)):
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                pass
-            setattr(training_args, key, value)
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        setattr(training_args, key, value)

@@ -14,10 +14,10 @@ on rank 0, as it is logged.
 
 import argparse
 import json
-import os
 import tempfile
 
 from datasets import Dataset
+from per_rank import this_rank
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 from trl_sft import LossFile, alpaca_prompt  # the same prompt and loss file as the SFT client (this folder is on sys.path)
@@ -48,8 +48,7 @@ def main(output_dir: str):
     ap.add_argument("--ref-model", default=None, help="the reference model's folder (a copy of --model by default)")
     ap.add_argument("--ref-model-rank", default=None, metavar="R:DIR", help="rank R loads its reference from DIR")
     args = ap.parse_args()
-    if args.ref_model_rank and int(args.ref_model_rank.split(":", 1)[0]) == int(os.environ.get("RANK", 0)):
-        args.ref_model = args.ref_model_rank.split(":", 1)[1]
+    args.ref_model = this_rank(args.ref_model_rank) or args.ref_model
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)

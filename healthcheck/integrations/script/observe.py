@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from healthcheck.artifacts import RankInfo, SamplerPlan
+from healthcheck.integrations.script.call_stack import callers
 from healthcheck.integrations.script.loaders import LoaderRecord
 from healthcheck.integrations.script.trainer_args import trainer_args_facts
 from healthcheck.measure.evidence import rng_state_hashes
-from healthcheck.measure.module_facts import module_facts
+from healthcheck.measure.module_facts import is_compile_wrapper, module_facts
 from healthcheck.measure.module_hooks import module_hooks
 from healthcheck.measure.start_state import optimizer_state_fact, parameters_fact
 
@@ -48,7 +49,7 @@ def first_forward_facts(module: Any) -> dict[str, Any]:
 
 
 #: Frames looked through for a torch.compile wrapper calling the model: a handful between its call and this hook.
-_DEPTH = 32
+_COMPILE_DEPTH = 32
 
 
 def _compile_fact(module: Any, inside: str) -> str:
@@ -61,19 +62,11 @@ def _compile_fact(module: Any, inside: str) -> str:
     >>> _compile_fact(torch.nn.Linear(2, 2), "none")  # called by no compiled wrapper
     'none'
     """
-    import sys
-    from types import FrameType
-
-    frame: Optional[FrameType] = sys._getframe(1)
-    for _ in range(_DEPTH):
-        if frame is None:
-            break
-        caller = frame.f_locals.get("self")
-        wrapped = getattr(caller, "_orig_mod", None) if type(caller).__name__ == "OptimizedModule" else None
+    for caller in callers(_COMPILE_DEPTH):
+        wrapped = caller._orig_mod if is_compile_wrapper(caller) else None
         if wrapped is not None and (wrapped is module or getattr(wrapped, "module", None) is module):  # DDP's .module
             wrapper = f"1x {type(wrapped).__name__} (wrapped)"
             return wrapper if inside == "none" else f"{wrapper}, {inside}"
-        frame = frame.f_back
     return inside
 
 

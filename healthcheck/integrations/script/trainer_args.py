@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import sys
-from types import FrameType
 from typing import Any, Optional
+
+from healthcheck.integrations.script.call_stack import callers
 
 #: Fields left out: those that name this rank's place or files (any ``*_dir`` field too), and the DDP settings the
 #: environment audit compares as DDP resolved them (``ddp.*``): the Trainer turns ``None`` into a value of its own, so
@@ -33,9 +34,6 @@ NOT_COMPARED = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_to
 
 #: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
 _LONGEST = 160
-
-#: Frames looked through for the Trainer: its training loop is a handful below the optimizer step's hooks.
-_DEPTH = 64
 
 
 def trainer_args_facts() -> dict[str, str]:
@@ -67,15 +65,7 @@ def _running_trainer() -> Optional[Any]:
     trainer_class = getattr(module, "Trainer", None)
     if trainer_class is None:
         return None
-    frame: Optional[FrameType] = sys._getframe(1)
-    for _ in range(_DEPTH):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, trainer_class):
-            return candidate
-        frame = frame.f_back
-    return None
+    return next((caller for caller in callers() if isinstance(caller, trainer_class)), None)
 
 
 def _text(value: Any) -> str:
