@@ -33,7 +33,9 @@ def test_a_command_past_its_timeout_is_ended_with_its_workers(tmp_path):
     out = tmp_path / "run"
     started, started_wall = time.monotonic(), time.time()
     with pytest.raises(subprocess.TimeoutExpired):
-        run_cli("probe", "--no-judge", "--no-plots", "--out", out, "--set", "distributed.nproc=2", timeout=8)
+        # Steps enough that no host finishes them in 8 s (the default 60 took under 8 s on a faster 2-core host).
+        run_cli("probe", "--no-judge", "--no-plots", "--out", out, "--set", "distributed.nproc=2", "--set", "train.steps=2000",
+                timeout=8)
     assert time.monotonic() - started < 60
     assert worker_pids(out)  # the workers had started
     session = conftest._warm.last_pid  # the command's session: the command and every process it started

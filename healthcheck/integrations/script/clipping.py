@@ -9,6 +9,12 @@ the parameters drift apart, but only after the clip first bites. The setting its
 The patched functions (``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``,
 which ``accelerate`` and ``transformers.Trainer`` call too) report each call with the model's parameters in
 it, until the first optimizer step reads :meth:`ClipRecorder.facts`.
+
+A clip by the norm can be written in two calls: ``get_total_norm`` of the gradients, then ``clip_grads_with_norm_``
+(torchtitan's, and accelerate's for every model from 1.16: the norm of sharded gradients is reduced between them).
+The pair is the same setting as one ``clip_grad_norm_`` and reads alike; and under FSDP2 the ranks compare where
+they are at the first call, since the reduction follows it (with the lockstep at ``clip_grads_with_norm_`` alone, a
+Trainer rank with its own gradient accumulation hung in that reduction under accelerate 1.16 instead of being named).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any, Callable, Optional
 
 #: Function name -> the keyword of its clipping threshold (also its first argument after the parameters).
 CLIP_FUNCTIONS = {"clip_grad_norm_": "max_norm", "clip_grads_with_norm_": "max_norm", "clip_grad_value_": "clip_value"}
+#: The first call of a clip written in two (it takes the gradients, not the parameters); torch 2.6 and later.
+NORM_FUNCTION = "get_total_norm"
 
 
 class ClipRecorder:
@@ -32,21 +40,42 @@ class ClipRecorder:
     {'clip': 'clip_grad_norm_ max_norm=1 norm_type=2'}
     >>> clips.facts()  # read once: later calls are the same setting or a schedule, not compared
     {}
+
+    The two-call clip reads as the one call (``grads`` gives the ids of the model's gradients):
+
+    >>> w.grad = torch.ones(3)
+    >>> clips = ClipRecorder(lambda: {id(w)}, lambda: {id(w.grad)})
+    >>> total = torch.nn.utils.get_total_norm([w.grad])
+    >>> clips.observe("get_total_norm", [w.grad], (), {}), clips.observe("clip_grads_with_norm_", [w], (1.0, total), {})
+    (True, True)
+    >>> clips.facts()
+    {'clip': 'clip_grad_norm_ max_norm=1 norm_type=2'}
     """
 
-    def __init__(self, owned: Callable[[], set[int]]):
+    def __init__(self, owned: Callable[[], set[int]], grads: Callable[[], set[int]] = set):
         self.owned = owned
+        self.grads = grads
         self._calls: Optional[set[str]] = set()
+        self._norm_type: Optional[str] = None  # the norm of the model's gradients a clip_grads_with_norm_ may follow
 
-    def observe(self, name: str, parameters: list[Any], args: tuple, kwargs: dict) -> bool:
-        """Record a clip before the first step; whether it clipped the model's gradients (then it was recorded)."""
-        if self._calls is None or not self.owned().intersection(id(p) for p in parameters):
+    def observe(self, name: str, tensors: list[Any], args: tuple, kwargs: dict) -> bool:
+        """Record a clip before the first step; whether it was of the model's gradients (then it was recorded).
+        ``tensors``: the parameters, or the gradients for :data:`NORM_FUNCTION`."""
+        owned = self.grads() if name == NORM_FUNCTION else self.owned()
+        if self._calls is None or not owned.intersection(id(t) for t in tensors):
             return False
+        if name == NORM_FUNCTION:
+            self._norm_type = _number(kwargs.get("norm_type", args[0] if args else 2.0))
+            return True
         keyword = CLIP_FUNCTIONS[name]
         threshold = kwargs.get(keyword, args[0] if args else None)
+        if name == "clip_grads_with_norm_" and self._norm_type is not None:
+            name, norm_type, self._norm_type = "clip_grad_norm_", self._norm_type, None
+        else:
+            norm_type = _number(kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0))
         setting = f"{name} {keyword}={_number(threshold)}"
         if name == "clip_grad_norm_":
-            setting += f" norm_type={_number(kwargs.get('norm_type', args[1] if len(args) > 1 else 2.0))}"
+            setting += f" norm_type={norm_type}"
         self._calls.add(setting)
         return True
 
@@ -70,8 +99,18 @@ def _number(value: Any) -> str:
         return str(value)
 
 
+def grad_ids(model: Any) -> set[int]:
+    """The ids of ``model``'s gradients (none before the model exists).
+
+    >>> grad_ids(None)
+    set()
+    """
+    return set() if model is None else {id(p.grad) for p in model.parameters() if p.grad is not None}
+
+
 def patch(patches: Any, on_clip: Callable[[str, list[Any], tuple, dict], None]) -> None:
-    """Wrap the clipping functions in both of their homes (``torch.nn.utils`` re-exports ``clip_grad``'s)."""
+    """Wrap the clipping functions in both of their homes (``torch.nn.utils`` re-exports ``clip_grad``'s), and
+    ``torch.nn.utils.get_total_norm`` (torch's own ``clip_grad_norm_`` calls its private twin, not this one)."""
     import torch.nn.utils as utils
     from torch.nn.utils import clip_grad
 
@@ -89,6 +128,7 @@ def patch(patches: Any, on_clip: Callable[[str, list[Any], tuple, dict], None]) 
 
         return make
 
-    for name in CLIP_FUNCTIONS:
+    for name in (*CLIP_FUNCTIONS, NORM_FUNCTION):
         for home in (utils, clip_grad):
-            patches.wrap(home, name, wrap(name))
+            if hasattr(home, name):  # get_total_norm: torch.nn.utils' alone, and from torch 2.6
+                patches.wrap(home, name, wrap(name))

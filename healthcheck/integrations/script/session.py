@@ -33,7 +33,7 @@ from healthcheck.config import ProbeConfig
 from healthcheck.errors import InvalidInput
 from healthcheck.integrations.loss_capture import LossCapture
 from healthcheck.integrations.script import ddp_agreement, observe, refusals
-from healthcheck.integrations.script.clipping import ClipRecorder
+from healthcheck.integrations.script.clipping import ClipRecorder, grad_ids
 from healthcheck.integrations.script.closures import ClosureSteps
 from healthcheck.integrations.script.forwards import TrainingForwards
 from healthcheck.integrations.script.grad_start import GradientStart
@@ -64,7 +64,7 @@ class ScriptSession:
         self.config, self.hooks, self.started_at = config, hooks, started_at
         self.fail_fast = FailFast(fail_fast)
         self.capture = LossCapture()
-        self.clips = ClipRecorder(lambda: self._param_ids)
+        self.clips = ClipRecorder(lambda: self._param_ids, lambda: grad_ids(self.model))
         self.scales = ScaleRecorder()  #: which GradScaler steps which optimizer, and its skips (fp16 mixed precision)
         self.loaders = LoaderRecorder()
         self.model: Any = None  #: the DDP wrapper, or the FSDP2 root

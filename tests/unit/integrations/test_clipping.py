@@ -43,3 +43,28 @@ def test_only_the_trained_models_parameters_count_and_no_clip_is_a_fact():
     recorder = ClipRecorder(lambda: {id(p) for p in model.parameters()})
     recorder.observe("clip_grad_norm_", [model.weight], (torch.tensor(1.0), float("inf")), {})
     assert recorder.facts() == {"clip": "clip_grad_norm_ max_norm=1 norm_type=inf"}
+
+
+def test_a_clip_in_two_calls_reads_as_the_one_call_and_clips_as_the_original():
+    # accelerate (1.16 and later, for every model) and torchtitan clip by the norm in two calls: get_total_norm of the
+    # gradients, then clip_grads_with_norm_. The pair is torch's clip_grad_norm_ and must read alike.
+    model, reference = _model_with_grads(), _model_with_grads()
+    recorder = ClipRecorder(lambda: {id(p) for p in model.parameters()}, lambda: clipping.grad_ids(model))
+    patches = Patches()
+    clipping.patch(patches, recorder.observe)
+    try:
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], 3.0)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.25, total)
+    finally:
+        patches.restore()
+    assert torch.equal(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.25, norm_type=3.0))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert recorder.facts() == {"clip": "clip_grad_norm_ max_norm=0.25 norm_type=3"}
+
+
+def test_a_norm_only_logged_is_no_clip_and_another_models_norm_is_not_read():
+    model, other = _model_with_grads(), _model_with_grads()
+    recorder = ClipRecorder(lambda: {id(p) for p in model.parameters()}, lambda: clipping.grad_ids(model))
+    assert not recorder.observe("get_total_norm", [p.grad for p in other.parameters()], (1.0,), {})
+    assert recorder.observe("get_total_norm", [p.grad for p in model.parameters()], (), {})  # logged, never clipped
+    assert recorder.facts() == {"clip": "none"}
