@@ -26,6 +26,7 @@ from healthcheck.judge.audit_outcome import (
     rank_span,
     ranks_phrase,
 )
+from healthcheck.measure.environment import compared_variable
 from healthcheck.measure.precision import FP16_SMALLEST_NORMAL
 
 #: Field order of the seed audit: the first field on which ranks differ is the one the message names.
@@ -202,8 +203,6 @@ def _steps_text(steps: Sequence[int]) -> str:
 # --------------------------------------------------------------------------- 4. environment
 
 
-#: Variables that differ between ranks by design (one device per rank), so they are not compared.
-PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
 UNSET = "<unset>"
 #: A rank's value that could not be read (too little evidence on that rank): left out of the comparison, so the
 #: ranks that read it are compared among themselves.
@@ -236,7 +235,7 @@ def environment_audit(ranks: Sequence[Mapping[str, Any]]) -> AuditOutcome:
         return AuditOutcome(
             True,
             f"{ranks_phrase(everyone)} agree on {summary}, device {first.get('device_name', '?')}, "
-            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_/CUBLAS_ variables",
+            f"precision {first.get('precision', '?')} and {comm} NCCL_/HCCL_/TORCH_/CUBLAS_/compiler variables",
             "uniform",
             (),
             {"compared": len(keys), "facts": first},
@@ -285,7 +284,7 @@ def environment_fields(rank: Mapping[str, Any]) -> dict[str, str]:
     {'versions.torch': '2.13', 'env.NCCL_ALGO': 'ring', 'precision': 'bf16'}
     """
     out = {f"versions.{k}": str(v) for k, v in (rank.get("versions") or {}).items()}
-    out.update({f"env.{k}": str(v) for k, v in (rank.get("env") or {}).items() if k not in PER_RANK_ENV})
+    out.update({f"env.{k}": str(v) for k, v in (rank.get("env") or {}).items() if compared_variable(k)})
     for key, value in rank.items():
         if key not in ("versions", "env") and isinstance(value, (str, int, float, bool)):
             out[key] = str(value)

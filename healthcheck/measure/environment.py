@@ -99,12 +99,30 @@ def _read(root: Any, dotted: str, call: bool = False) -> str | None:
         return None
 
 
-#: Communication and runtime variables; NVIDIA_TF32_OVERRIDE and CUBLAS_WORKSPACE_CONFIG change cuBLAS's math.
-ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_", "NVIDIA_TF32_OVERRIDE", "CUBLAS_")
+#: Communication and runtime variables; NVIDIA_TF32_OVERRIDE and CUBLAS_WORKSPACE_CONFIG change cuBLAS's math, and
+#: the compiler's (``TORCHINDUCTOR_MAX_AUTOTUNE``, ``TORCHDYNAMO_DISABLE``, ``TRITON_F32_DEFAULT``) the kernels a compiled
+#: model runs.
+ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_", "NVIDIA_TF32_OVERRIDE", "CUBLAS_",
+                "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_")
+#: Variables that differ between ranks by design (one device per rank), so they are not compared.
+PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
+#: Variables that name a node's own files (``TORCH_HOME``, ``TORCHINDUCTOR_CACHE_DIR``, ``NCCL_TOPO_FILE``): a cluster
+#: points them at each node's disk, often a folder per rank so that compile caches do not race, and the path is no
+#: setting of the math. Not compared, as the Trainer's ``*_dir`` arguments are not.
+NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_HOME")
+
+
+def compared_variable(name: str) -> bool:
+    """Whether the environment audit compares the variable ``name`` across ranks.
+
+    >>> [compared_variable(name) for name in ("NCCL_ALGO", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "TORCH_HOME")]
+    [True, False, False, False]
+    """
+    return name not in PER_RANK_ENV and not name.endswith(NODE_FILE_SUFFIXES)
 
 
 def rank_environment() -> dict[str, str]:
-    """The communication/runtime variables that must agree across ranks (for the environment audit)."""
+    """The communication/runtime variables of this rank (those :func:`compared_variable` names must agree)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
 
 

@@ -315,6 +315,29 @@ def test_environment_differences_name_ranks():
     assert outcome.signature == "env.NCCL_ALGO 0-5,7|6; precision 0-2,4-7|3"
 
 
+def test_variables_naming_a_nodes_files_are_not_compared_and_the_compilers_settings_are():
+    # A per-rank compile cache (a common launcher habit, so that ranks do not race on one folder) is no difference;
+    # a rank whose launch turns on max-autotune runs other kernels.
+    ranks = [_env() for _ in range(4)]
+    for rank, row in enumerate(ranks):
+        row["env"].update({"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor-{rank}", "TORCH_HOME": f"/node{rank // 2}/torch",
+                           "NCCL_TOPO_FILE": f"/node{rank // 2}/topo.xml"})
+    assert environment_audit(ranks).passed
+    ranks[2]["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"
+    outcome = environment_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (2,)
+    assert outcome.message == "env.TORCHINDUCTOR_MAX_AUTOTUNE differs: ranks 0-1, 3 <unset>; rank 2 1"
+
+
+def test_the_compilers_variables_are_read(monkeypatch):
+    from healthcheck.measure.environment import rank_environment
+
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert {"TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_F32_DEFAULT", "TORCHDYNAMO_DISABLE"} <= set(rank_environment())
+
+
 # ----------------------------------------------------------------------------- non-finite
 
 
