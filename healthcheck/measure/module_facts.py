@@ -30,7 +30,9 @@ exactly, as strings, like the optimizer's hyperparameters:
   (``module.compile()``). A rank that compiles where the others run eagerly computes the same function with other
   kernels: on 3 ranks of a DDP loop, a rank compiled before ``DDP(...)`` was named only as ``model.eval_modules
   differs: ... none of 33 ...; rank 1 none of 34`` (the wrapper counted as a module), and one compiled in place
-  passed. The wrappers are left out of the other facts, and ``_orig_mod`` out of the names.
+  passed. The wrappers are left out of the other facts, and ``_orig_mod`` out of the names. Each compiled module
+  says how it was compiled (:func:`compile_backend`): a rank compiled with ``mode="max-autotune"`` runs other,
+  autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none.
 """
 
 from __future__ import annotations
@@ -105,16 +107,45 @@ def compiled_modules(named: list[tuple[str, Any]]) -> str:
     >>> compiled_modules(list(net.named_modules()))
     'none'
     >>> net[0].compile(); net[1].compile()
-    >>> compiled_modules(list(torch.compile(net).named_modules()))
-    '2x Linear (in place), 1x Sequential (wrapped)'
+    >>> compiled_modules(list(torch.compile(net, mode="max-autotune-no-cudagraphs").named_modules()))
+    '2x Linear (in place, inductor), 1x Sequential (wrapped, inductor coordinate_descent_tuning=True max_autotune=True)'
     """
     kinds: Counter[str] = Counter()
     for _, module in named:
         if is_compile_wrapper(module):
-            kinds[f"{type(module._orig_mod).__name__} (wrapped)"] += 1
-        elif getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
-            kinds[f"{type(module).__name__} (in place)"] += 1
+            kinds[f"{type(module._orig_mod).__name__} (wrapped, {compile_backend(module)})"] += 1
+        elif (compiled := getattr(module, "_compiled_call_impl", None)) is not None:  # nn.Module.compile()
+            kinds[f"{type(module).__name__} (in place, {compile_backend(compiled)})"] += 1
     return ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items())) or "none"
+
+
+def compile_backend(compiled: Any) -> str:
+    """How ``torch.compile`` was asked to compile: its backend, with the settings its ``mode`` and ``options`` set
+    and ``dynamic`` where given, from ``compiled`` (a wrapper module, or the function ``module.compile()`` made);
+    ``?`` where this torch keeps them elsewhere.
+
+    >>> import torch
+    >>> compile_backend(torch.compile(torch.nn.Linear(2, 2), backend="aot_eager", dynamic=False))
+    'aot_eager dynamic=False'
+    >>> compile_backend(torch.compile(torch.nn.Linear(2, 2), options={"epilogue_fusion": False}))
+    'inductor epilogue_fusion=False'
+    """
+    try:
+        from torch._dynamo.eval_frame import innermost_backend
+
+        context = getattr(compiled, "dynamo_ctx", None)
+        if context is None:  # the compiled function keeps its context in the closure of get_compiler_config
+            config = compiled.get_compiler_config
+            context = dict(zip(config.__code__.co_freevars, config.__closure__ or (), strict=False))["self"].cell_contents
+        backend = innermost_backend(context.callback)
+    except (ImportError, AttributeError, KeyError, AssertionError):
+        return "?"
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
+    # The inductor wrapper holds its mode's and options' config patches; another backend its keyword arguments.
+    settings = {**(getattr(backend, "config", None) or {}), **(getattr(backend, "kwargs", None) or {})}
+    if getattr(backend, "dynamic", None) is not None:
+        settings["dynamic"] = backend.dynamic
+    return " ".join([str(name), *(f"{key}={value}" for key, value in sorted(settings.items()))])
 
 
 def is_compile_wrapper(module: Any) -> bool:

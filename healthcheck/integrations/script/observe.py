@@ -17,7 +17,7 @@ from healthcheck.integrations.script.call_stack import callers
 from healthcheck.integrations.script.loaders import LoaderRecord
 from healthcheck.integrations.script.trainer_args import trainer_args_facts
 from healthcheck.measure.evidence import rng_state_hashes
-from healthcheck.measure.module_facts import is_compile_wrapper, module_facts
+from healthcheck.measure.module_facts import compile_backend, is_compile_wrapper, module_facts
 from healthcheck.measure.module_hooks import module_hooks
 from healthcheck.measure.start_state import optimizer_state_fact, parameters_fact
 
@@ -65,7 +65,7 @@ def _compile_fact(module: Any, inside: str) -> str:
     for caller in callers(_COMPILE_DEPTH):
         wrapped = caller._orig_mod if is_compile_wrapper(caller) else None
         if wrapped is not None and (wrapped is module or getattr(wrapped, "module", None) is module):  # DDP's .module
-            wrapper = f"1x {type(wrapped).__name__} (wrapped)"
+            wrapper = f"1x {type(wrapped).__name__} (wrapped, {compile_backend(caller)})"
             return wrapper if inside == "none" else f"{wrapper}, {inside}"
     return inside
 

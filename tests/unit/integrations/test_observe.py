@@ -148,16 +148,24 @@ def test_a_compiled_model_is_named_however_it_was_compiled(one_rank):
     eager_ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert compile_fact(eager_ddp, eager_ddp) == "none"
     # torch.compile(DDP(model)): nothing in the model's tree shows it; the wrapper calling DDP does.
-    assert compile_fact(eager_ddp, torch.compile(eager_ddp, backend="eager")) == "1x DistributedDataParallel (wrapped)"
+    assert compile_fact(eager_ddp, torch.compile(eager_ddp, backend="eager")) == "1x DistributedDataParallel (wrapped, eager)"
     inner = torch.compile(torch.nn.Sequential(torch.nn.Linear(2, 2)), backend="eager")  # DDP(torch.compile(model))
     wrapped_first = DistributedDataParallel(inner)
-    assert compile_fact(wrapped_first, wrapped_first) == "1x Sequential (wrapped)"
+    assert compile_fact(wrapped_first, wrapped_first) == "1x Sequential (wrapped, eager)"
     # The wrapper is no module of the model's: the other facts read as an eager rank's.
     assert observe.first_forward_facts(inner)["module"]["model.eval_modules"] == "none of 2 in eval mode"
     in_place = torch.nn.Sequential(torch.nn.Linear(2, 2))
     in_place[0].compile(backend="eager")
     in_place_ddp = DistributedDataParallel(in_place)
-    assert compile_fact(in_place_ddp, in_place_ddp) == "1x Linear (in place)"
+    assert compile_fact(in_place_ddp, in_place_ddp) == "1x Linear (in place, eager)"
+    # How it was compiled is part of the fact: a rank autotuning its kernels where the others take inductor's defaults.
+    tuned = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    tuned[0].compile(mode="max-autotune-no-cudagraphs")
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    plain[0].compile()
+    assert observe.first_forward_facts(plain)["module"]["model.compile"] == "1x Linear (in place, inductor)"
+    assert (observe.first_forward_facts(tuned)["module"]["model.compile"]
+            == "1x Linear (in place, inductor coordinate_descent_tuning=True max_autotune=True)")
 
 
 def test_the_dataset_digest_reads_samples_without_moving_the_scripts_randomness():
