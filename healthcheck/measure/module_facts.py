@@ -143,8 +143,8 @@ def compile_backend(compiled: Any) -> str:
     name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
     # The inductor wrapper holds its mode's and options' config patches; another backend its keyword arguments.
     settings = {**(getattr(backend, "config", None) or {}), **(getattr(backend, "kwargs", None) or {})}
-    if getattr(backend, "dynamic", None) is not None:
-        settings["dynamic"] = backend.dynamic
+    if (dynamic := getattr(backend, "dynamic", None)) is not None:
+        settings["dynamic"] = dynamic
     return " ".join([str(name), *(f"{key}={value}" for key, value in sorted(settings.items()))])
 
 
