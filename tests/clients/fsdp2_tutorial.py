@@ -38,6 +38,9 @@ rank R's slice of ``lm_head.weight`` moves by 1e-3 (a device that wrote one upda
 that slice alone, under HSDP (``--hsdp R``: R replicas of a shard group, torchtitan's ``data_parallel_replicate_degree``)
 a rank of another replica holds the same slice. ``warmup-rank=R``: rank R warms its learning rate up over twice
 ``--warmup`` steps (a per-node schedule config): every rank starts at 0, so the first step's settings agree.
+``--weight-decay W``: AdamW in two groups, as nanoGPT's ``configure_optimizers`` builds them: the matrices decay by W,
+the vectors (the norms) do not. Its bug ``decay-rule-rank=R``: rank R's no-decay rule matches the decoder layers'
+norms by name and misses the final ``model.norm`` (another revision of that rule on one node), which it then decays.
 """
 
 import argparse
@@ -116,6 +119,7 @@ def main():
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amp-scale", type=float, default=0.0)
     ap.add_argument("--loss-times", type=float, default=1.0, help="every rank's loss (so every gradient) times this")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decay of the matrices, in a group of their own")
     ap.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warmup from 0 over this many steps (LambdaLR)")
     ap.add_argument("--stream", action="store_true", help="a datasets IterableDataset split with split_dataset_by_node")
     ap.add_argument("--hsdp", type=int, default=0, metavar="R",
@@ -123,7 +127,7 @@ def main():
     ap.add_argument("--reduce-dtype", choices=("fp16", "bf16"), default=None,
                     help="MixedPrecisionPolicy(reduce_dtype=...): FSDP2 reduce-scatters the gradients in this dtype")
     ap.add_argument("--bug", default="none", help="none, or a comma-separated list of loss-x2-rank=R, stale-weights-rank=R, clip-rank=R, "
-                    "slow-rank=R, accum-rank=R, no-zero-grad-rank=R, drift-rank=R, warmup-rank=R")
+                    "slow-rank=R, accum-rank=R, no-zero-grad-rank=R, drift-rank=R, warmup-rank=R, decay-rule-rank=R")
     args = ap.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -174,7 +178,17 @@ def main():
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
         loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_with(tok.pad_token_id))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.weight_decay:  # nanoGPT's groups: matrices decay, vectors (the norms) do not
+        if bugs.get("decay-rule-rank") == rank:  # a rule by name that misses the final norm
+            vector = [name.removeprefix("module.").startswith("model.layers.") and name.endswith("norm.weight")
+                      for name, _ in model.named_parameters()]
+        else:
+            vector = [param.ndim < 2 for param in model.parameters()]
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW([{"params": [p for p, v in zip(params, vector) if not v], "weight_decay": args.weight_decay},
+                                       {"params": [p for p, v in zip(params, vector) if v], "weight_decay": 0.0}], lr=args.lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     warmup = args.warmup * (2 if bugs.get("warmup-rank") == rank else 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup)) if warmup else None
     loss_scale = (2.0 if bugs.get("loss-x2-rank") == rank else 1.0) * args.loss_times

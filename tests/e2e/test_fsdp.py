@@ -149,19 +149,23 @@ def test_stale_weights_own_clipping_and_a_slow_logger_are_each_named_at_their_ra
     # its own shard at a tenth of the others' max_norm, rank 0 sleeps 50 ms after its update, so the others wait
     # for it in the script's logging all_reduce rather than in FSDP2's collectives (before that wait counted toward
     # blame, this straggler passed), and rank 2 never clears its gradients, so its shard adds every step's gradient to
-    # the last. --no-fail-fast: the environment audit would stop the run before step 1.
+    # the last. Rank 1's rule for the no-decay group also misses the final norm, which it alone decays: no replicated
+    # state shows that either, and it passed every check until each group's parameters were counted. --no-fail-fast:
+    # the environment audit would stop the run before step 1.
     out = tmp_path / "run"
     args = probe_args("fsdp2_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=30, extra=("--no-fail-fast",),
-                      script_args=("--clip", "1.0", "--bug", "stale-weights-rank=3,clip-rank=1,slow-rank=0,no-zero-grad-rank=2"))
+                      script_args=("--clip", "1.0", "--weight-decay", "0.1",
+                                   "--bug", "stale-weights-rank=3,clip-rank=1,slow-rank=0,no-zero-grad-rank=2,decay-rule-rank=1"))
     done = run_cli(*args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     failed = failed_ranks(out)
     assert failed == {"audit.sharded_state": [3], "audit.environment": [1], "audit.stragglers": [0], "audit.stale_gradients": [2]}, failed
     audits = json.loads((out / "result.json").read_text())["audits"]
     assert "lm_head.weight" in audits["sharded_state"]["message"]
-    assert audits["environment"]["message"] == (
-        "clip differs: ranks 0, 2-3 clip_grad_norm_ max_norm=1 norm_type=2; rank 1 clip_grad_norm_ max_norm=0.1 norm_type=2"
-    )
+    assert audits["environment"]["message"].startswith(
+        "clip differs: ranks 0, 2-3 clip_grad_norm_ max_norm=1 norm_type=2; rank 1 clip_grad_norm_ max_norm=0.1 norm_type=2; "
+        "optimizer.params differs: ranks 0, 2-3 16 tensors, "), audits["environment"]["message"]
+    assert "; rank 1 17 tensors, " in audits["environment"]["message"]
 
 
 def test_a_rank_that_shards_with_another_precision_is_named_before_the_first_all_gather(tiny_llama, tmp_path):  # noqa: F811

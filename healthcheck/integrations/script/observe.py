@@ -210,6 +210,13 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     >>> facts = optimizer_facts(torch.optim.AdamW([{"params": [weight]}, {"params": [bias], "lr": 1e-4}], lr=1e-3))
     >>> facts["optimizer.lr"], facts["optimizer[1].lr"], facts["optimizer[1].weight_decay"]
     ('0.001', '0.0001', '0.01')
+
+    Which parameters each group holds is a setting too (``optimizer[i].params``, counted): a rank whose rule for the
+    no-decay group misses the final norm decays it where the others do not, and under FSDP2, each rank updating
+    only its own slice, nothing replicated showed it.
+
+    >>> facts["optimizer.params"], facts["optimizer[1].params"]
+    ('1 tensors, 4 elements', '1 tensors, 2 elements')
     """
     import hashlib
 
@@ -219,6 +226,8 @@ def optimizer_facts(optimizer: Any) -> dict[str, str]:
     for index, group in enumerate(groups):
         settings = {key: repr(value) for key, value in sorted(group.items())
                     if key != "params" and isinstance(value, (int, float, str, bool, tuple, type(None)))}
+        # A DTensor's numel is the whole tensor's: the same on every rank of a sharded model.
+        settings["params"] = f"{len(group['params'])} tensors, {sum(p.numel() for p in group['params'])} elements"
         if index > _GROUPS_NAMED:
             rest.append(settings)
             continue
