@@ -14,8 +14,10 @@ def versions() -> dict[str, str]:
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": installed_version("transformers")}
+    out.update(stack_versions())
     if torch.version.cuda:
         out["cuda"] = str(torch.version.cuda)
+        out.update(cuda_libraries())
     out["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
     out["cudnn_deterministic"] = str(torch.backends.cudnn.deterministic)
     out["cudnn_benchmark"] = str(torch.backends.cudnn.benchmark)
@@ -40,6 +42,42 @@ def installed_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+#: The rest of the training stack, where installed: a node with another TRL computes another loss (its defaults
+#: move between releases), another accelerate clips otherwise (1.16 reduces the norm in a call of its own), another
+#: Triton or flash-attn runs other kernels, and one without flash-attn falls back to another attention.
+STACK_PACKAGES = ("accelerate", "trl", "peft", "datasets", "tokenizers", "safetensors", "numpy", "triton", "lightning",
+                  "deepspeed", "flash_attn", "bitsandbytes", "liger_kernel", "torchao")
+
+
+def stack_versions() -> dict[str, str]:
+    """The version of each of :data:`STACK_PACKAGES` installed here (one missing on some ranks reads ``<unset>``
+    there). About 25 ms of metadata lookups, once per rank.
+
+    >>> stack_versions()["numpy"] == __import__("numpy").__version__
+    True
+    """
+    found = {name: installed_version(name) for name in STACK_PACKAGES}
+    return {name: version for name, version in found.items() if version != "not installed"}
+
+
+def cuda_libraries() -> dict[str, str]:
+    """The cuDNN and NCCL versions this process loaded: a node whose library path finds another copy than the one
+    torch's wheel brought runs other kernels, or another all-reduce, under the same torch and CUDA versions."""
+    import torch
+
+    out = {}
+    try:
+        out["cudnn"] = str(torch.backends.cudnn.version())
+    except (RuntimeError, OSError):  # no cuDNN to load
+        pass
+    try:
+        nccl = torch.cuda.nccl.version()  # (major, minor, patch), an int in older torch
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except (RuntimeError, AttributeError):  # built without NCCL
+        pass
+    return out
 
 
 #: The fp32 math of each backend a script can lower: TF32 in cuBLAS and cuDNN, bf16 in oneDNN on a CPU.

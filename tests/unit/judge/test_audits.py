@@ -329,6 +329,20 @@ def test_variables_naming_a_nodes_files_are_not_compared_and_the_compilers_setti
     assert outcome.message == "env.TORCHINDUCTOR_MAX_AUTOTUNE differs: ranks 0-1, 3 <unset>; rank 2 1"
 
 
+def test_a_node_with_another_release_of_the_stack_or_without_a_package_is_named():
+    from healthcheck.measure.environment import stack_versions
+
+    assert {"accelerate", "trl", "peft", "numpy"} <= set(stack_versions())  # the test dependencies
+    ranks = [_env() for _ in range(3)]
+    for row in ranks:
+        row["versions"].update({"trl": "1.16.0", "flash_attn": "2.8.3"})
+    ranks[1]["versions"]["trl"] = "1.15.0"
+    del ranks[2]["versions"]["flash_attn"]
+    outcome = environment_audit(ranks)
+    assert not outcome.passed and outcome.ranks == (1, 2)
+    assert outcome.message == "flash_attn differs: ranks 0-1 2.8.3; rank 2 <unset>; trl differs: ranks 0, 2 1.16.0; rank 1 1.15.0"
+
+
 def test_the_compilers_variables_are_read(monkeypatch):
     from healthcheck.measure.environment import rank_environment
 
