@@ -46,9 +46,10 @@ def installed_version(name: str) -> str:
 
 #: The rest of the training stack, where installed: a node with another TRL computes another loss (its defaults
 #: move between releases), another accelerate clips otherwise (1.16 reduces the norm in a call of its own), another
-#: Triton or flash-attn runs other kernels, and one without flash-attn falls back to another attention.
+#: Triton or flash-attn runs other kernels, and one without flash-attn falls back to another attention (``kernels``,
+#: the Hub's kernel loader, wraps transformers' attention forwards where it is installed).
 STACK_PACKAGES = ("accelerate", "trl", "peft", "datasets", "tokenizers", "safetensors", "numpy", "triton", "lightning",
-                  "deepspeed", "flash_attn", "bitsandbytes", "liger_kernel", "torchao")
+                  "deepspeed", "flash_attn", "bitsandbytes", "liger_kernel", "torchao", "kernels")
 
 
 def stack_versions() -> dict[str, str]:

@@ -32,7 +32,9 @@ exactly, as strings, like the optimizer's hyperparameters:
   differs: ... none of 33 ...; rank 1 none of 34`` (the wrapper counted as a module), and one compiled in place
   passed. The wrappers are left out of the other facts, and ``_orig_mod`` out of the names. Each compiled module
   says how it was compiled (:func:`compile_backend`): a rank compiled with ``mode="max-autotune"`` runs other,
-  autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none.
+  autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none;
+* ``model.patched_forwards``: module forwards replaced with another package's code (an attention patch applied at
+  import on some nodes only; :mod:`healthcheck.measure.forward_patches`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import hashlib
 import re
 from collections import Counter
 from typing import Any, Iterator
+
+from healthcheck.measure.forward_patches import patched_forwards
 
 #: Config keys that cannot change what a training step computes; they may differ between ranks harmlessly
 #: (the checkpoint's path on each node) or are compared elsewhere (the transformers version). Keys that
@@ -87,6 +91,7 @@ def module_facts(model: Any) -> dict[str, str]:
         or "none",
         "model.eval_modules": _eval_modules(named),
         "model.compile": compiled_modules(every),
+        "model.patched_forwards": patched_forwards(named),
     }
     config = _transformers_config(named)
     kernel = getattr(config, "_attn_implementation", None)

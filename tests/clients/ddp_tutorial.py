@@ -28,6 +28,9 @@ off-by-one in its shift), ``input-noise-rank=R`` (rank R replaces 15% of its inp
 forward, a token-masking augmentation left on: its labels keep the original tokens), ``no-mask-rank=R`` (rank R
 calls the model without its ``attention_mask``) and ``z-loss-rank=R`` (rank R adds PaLM's z-loss, 1e-2 times the mean
 square of its logits' log-partition, a term a per-node config switches on).
+``attention-patch-rank=R``: rank R applies an attention patch at import time (``tests/clients/attention_patch.py``:
+``LlamaAttention.forward`` replaced, as FastChat's and LongLoRA's patches replace it), as a launch path that applies
+it on some nodes only would.
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
@@ -279,6 +282,10 @@ def main():
         torch.manual_seed(args.seed + rank)
     if faulted("matmul-medium-rank"):
         torch.set_float32_matmul_precision("medium")
+    if faulted("attention-patch-rank"):
+        import attention_patch
+
+        attention_patch.apply()
     tok = AutoTokenizer.from_pretrained(args.model)
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     if faulted("norm-eps-rank"):

@@ -1,0 +1,67 @@
+"""Which module forwards a script replaced with code from another package: ``model.patched_forwards``.
+
+Why: fine-tuning repositories patch model code at import time. FastChat's and LongLoRA's attention patches assign
+``LlamaAttention.forward``, Liger's ``apply_liger_kernel_to_llama`` assigns ``LlamaForCausalLM.forward`` to its fused
+linear cross-entropy, and a launch path that applies such a patch on some nodes only leaves those ranks computing
+another function (or the same one with other kernels) from the same parameters, config and batch. No setting says
+so: the config still reads ``sdpa``. Only the replay audit saw it, as a device that "computes differently", and it
+advised draining a sound node.
+
+A forward is patched when its code was defined outside the top-level package of the class that holds it (read from
+the code's own globals, so a ``functools.wraps`` wrapper, which copies ``__module__`` and ``__qualname__`` from the
+function it wraps, still shows where it was written). Decorators a package applies to its own classes stay inside it
+and are no patch. An instance's own ``forward`` (accelerate's autocast wrapper) is read the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+def patched_forwards(named: list[tuple[str, Any]]) -> str:
+    """Each patched forward as ``Class.forward from module.function`` (``Class instance.forward`` for one set on an
+    instance), sorted, or ``none``.
+
+    >>> import torch
+    >>> class Block(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), Block())
+    >>> patched_forwards(list(net.named_modules()))
+    'none'
+    >>> Block.forward = torch.nn.Identity.forward  # code from another package
+    >>> patched_forwards(list(net.named_modules()))
+    'Block.forward from torch.nn.modules.linear.Identity.forward'
+    """
+    found: set[str] = set()
+    classes: set[type] = set()
+    for _, module in named:
+        cls = type(module)
+        if cls not in classes:
+            classes.add(cls)
+            owner = next((base for base in cls.__mro__ if "forward" in vars(base)), None)
+            if owner is not None and (origin := _patch_origin(vars(owner)["forward"], owner)) is not None:
+                found.add(f"{owner.__name__}.forward from {origin}")
+        if "forward" in vars(module) and (origin := _patch_origin(vars(module)["forward"], cls)) is not None:
+            found.add(f"{cls.__name__} instance.forward from {origin}")
+    return ", ".join(sorted(found)) or "none"
+
+
+def _patch_origin(forward: Any, owner: type) -> str | None:
+    """``module.qualname`` of ``forward``'s code where it was written outside ``owner``'s top-level package, else None."""
+    function = forward
+    while True:  # a bound method, a partial (accelerate's hooks) or a staticmethod in a class body
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif hasattr(function, "__func__"):
+            function = function.__func__
+        else:
+            break
+    code, globals_ = getattr(function, "__code__", None), getattr(function, "__globals__", None)
+    if code is None or not isinstance(globals_, dict):  # a builtin or a callable object: nothing to read
+        return None
+    where = str(globals_.get("__name__", "?"))
+    if where.split(".")[0] == str(owner.__module__).split(".")[0]:
+        return None
+    return f"{where}.{getattr(code, 'co_qualname', getattr(function, '__qualname__', code.co_name))}"
