@@ -9,8 +9,10 @@ advised draining a sound node.
 
 A forward is patched when its code was defined outside the top-level package of the class that holds it (read from
 the code's own globals, so a ``functools.wraps`` wrapper, which copies ``__module__`` and ``__qualname__`` from the
-function it wraps, still shows where it was written). Decorators a package applies to its own classes stay inside it
-and are no patch. An instance's own ``forward`` (accelerate's autocast wrapper) is read the same way.
+function it wraps, still shows where it was written). Decorators a package writes for its own classes stay inside
+it and are no patch; one from another package reads as one, alike on every rank that has that package (transformers
+wraps its attention forwards with the Hub's ``kernels`` where that is installed). An instance's own ``forward``
+(accelerate's autocast wrapper, its offloading hooks) is read the same way.
 """
 
 from __future__ import annotations
