@@ -122,6 +122,12 @@ def numerics() -> dict[str, str]:
         value = _read(torch.backends, f"cuda.matmul.{flag}")
         if value is not None:
             out[f"cuda.matmul.{flag}"] = value
+    # The GEMM and linear-algebra libraries torch.backends.cuda.preferred_*_library picks (cuBLAS or cuBLASLt,
+    # hipBLAS or hipBLASLt on ROCm; cuSOLVER or MAGMA): a per-node choice, other kernels for the same matmul.
+    for library in ("blas", "linalg"):
+        value = _read(torch.backends, f"cuda.preferred_{library}_library", call=True)
+        if value is not None:
+            out[f"cuda.preferred_{library}_library"] = value.rpartition(".")[2]
     kernels = [name for name in _SDPA_KERNELS if _read(torch.backends, f"cuda.{name}_sdp_enabled", call=True) == "True"]
     out["sdpa_kernels"] = ", ".join(kernels) or "none"
     return out

@@ -57,3 +57,14 @@ def test_the_variables_that_change_cublas_math_are_compared(monkeypatch):
     monkeypatch.setenv("UNRELATED_SETTING", "1")
     env = rank_environment()
     assert env["NVIDIA_TF32_OVERRIDE"] == "0" and env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "UNRELATED_SETTING" not in env
+
+
+def test_a_rank_that_prefers_another_gemm_library_is_named(monkeypatch):
+    # torch.backends.cuda.preferred_blas_library("cublaslt") on one node: other kernels for every matmul. (This CPU
+    # build refuses to set cuBLASLt, so the getter is replaced.)
+    clean = numerics()
+    assert clean["cuda.preferred_blas_library"] == "Cublas" and clean["cuda.preferred_linalg_library"] == "Default"
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda backend=None: "_BlasBackend.Cublaslt")
+    outcome = _audit([clean, numerics(), clean])
+    assert not outcome.passed and outcome.ranks == (1,)
+    assert outcome.message == "cuda.preferred_blas_library differs: ranks 0, 2 Cublas; rank 1 Cublaslt"
