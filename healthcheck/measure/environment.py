@@ -144,17 +144,19 @@ def _read(root: Any, dotted: str, call: bool = False) -> str | None:
         return None
 
 
-#: Communication and runtime variables; NVIDIA_TF32_OVERRIDE and CUBLAS_WORKSPACE_CONFIG change cuBLAS's math, and
-#: the compiler's (``TORCHINDUCTOR_MAX_AUTOTUNE``, ``TORCHDYNAMO_DISABLE``, ``TRITON_F32_DEFAULT``) the kernels a compiled
-#: model runs.
+#: Communication and runtime variables; NVIDIA_TF32_OVERRIDE, CUBLAS_WORKSPACE_CONFIG and cuBLASLt's workspace change
+#: cuBLAS's math, PyTorch's TunableOp (``PYTORCH_TUNABLEOP_ENABLED``) picks GEMM kernels by timing them, Transformer
+#: Engine's ``NVTE_*`` its attention backend, and the compiler's (``TORCHINDUCTOR_MAX_AUTOTUNE``, ``TORCHDYNAMO_DISABLE``,
+#: ``TRITON_F32_DEFAULT``) the kernels a compiled model runs.
 ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_", "NVIDIA_TF32_OVERRIDE", "CUBLAS_",
-                "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_")
+                "CUBLASLT_", "PYTORCH_TUNABLEOP_", "NVTE_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_")
 #: Variables that differ between ranks by design (one device per rank), so they are not compared.
 PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
-#: Variables that name a node's own files (``TORCH_HOME``, ``TORCHINDUCTOR_CACHE_DIR``, ``NCCL_TOPO_FILE``): a cluster
+#: Variables that name a node's own files (``TORCH_HOME``, ``TORCHINDUCTOR_CACHE_DIR``, ``NCCL_TOPO_FILE``,
+#: ``PYTORCH_TUNABLEOP_FILENAME``): a cluster
 #: points them at each node's disk, often a folder per rank so that compile caches do not race, and the path is no
 #: setting of the math. Not compared, as the Trainer's ``*_dir`` arguments are not.
-NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_HOME")
+NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_FILENAME", "_HOME")
 
 
 def compared_variable(name: str) -> bool:

@@ -349,7 +349,12 @@ def test_the_compilers_variables_are_read(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    assert {"TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_F32_DEFAULT", "TORCHDYNAMO_DISABLE"} <= set(rank_environment())
+    monkeypatch.setenv("PYTORCH_TUNABLEOP_ENABLED", "1")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # memory, not math: not read
+    read = set(rank_environment())
+    assert {"TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_F32_DEFAULT", "TORCHDYNAMO_DISABLE", "PYTORCH_TUNABLEOP_ENABLED",
+            "NVTE_FUSED_ATTN"} <= read and "PYTORCH_CUDA_ALLOC_CONF" not in read
 
 
 # ----------------------------------------------------------------------------- non-finite
