@@ -39,6 +39,7 @@ from healthcheck.judge.exact_audits import (
 )
 from healthcheck.judge.learning_rate import first_split, learning_rate_audit
 from healthcheck.judge.loss_weight import loss_weight_audit
+from healthcheck.judge.param_causes import explained_by_settings
 from healthcheck.judge.rank_outliers import OUTLIER_METRICS, rank_outlier_audit, straggler_audit
 from healthcheck.judge.replay_audit import replay_audit
 from healthcheck.judge.shard_audit import READ_ONCE, SampleGroups, batch_audit, data_shard_audit
@@ -72,6 +73,7 @@ def run_audits(config: ProbeConfig, report: WorkerReport, run_dir: Path, nonfini
         outcomes["environment"] = environment_from_evidence(report.ranks, per_rank)
     rows = list(read_jsonl(Path(run_dir) / STEPS_FILE))
     outcomes["param_equality"] = explained_by_learning_rate(outcomes["param_equality"], rows, world)
+    outcomes["param_equality"] = explained_by_settings(outcomes["param_equality"], outcomes.get("environment"))
     events = [event.model_dump() for event in nonfinite]
     outcomes["nonfinite"] = nonfinite_audit(events, world, sampled_steps=len({row["step"] for row in rows}))
     metrics = config.metrics
