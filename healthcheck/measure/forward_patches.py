@@ -1,4 +1,5 @@
-"""Which module forwards a script replaced with code from another package: ``model.patched_forwards``.
+"""Which module forwards a script replaced with code from another package (``model.patched_forwards``), and which
+function transformers' attention registry runs (``model.attention_function``).
 
 Why: fine-tuning repositories patch model code at import time. FastChat's and LongLoRA's attention patches assign
 ``LlamaAttention.forward``, Liger's ``apply_liger_kernel_to_llama`` assigns ``LlamaForCausalLM.forward`` to its fused
@@ -50,8 +51,38 @@ def patched_forwards(named: list[tuple[str, Any]]) -> str:
     return ", ".join(sorted(found)) or "none"
 
 
+def attention_function(kernel: str) -> str | None:
+    """Where transformers' attention registry sends the kernel a model's config names (``sdpa``, ``flash_attention_2``,
+    ...), as ``module.function``; None where transformers is not imported or the registry has no such entry (``eager``
+    is each model's own function).
+
+    The registry is global and writable (``AttentionInterface.register("sdpa", fn)``, ``ALL_ATTENTION_FUNCTIONS[...] =
+    fn``): a node whose launch path registers its own attention under ``sdpa`` computes another attention while the
+    config still reads ``sdpa`` and no forward was replaced.
+
+    >>> attention_function("no-such-kernel") is None
+    True
+    """
+    import sys
+
+    registry = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    try:
+        function = registry[kernel] if registry is not None else None
+    except (KeyError, TypeError):
+        return None
+    return None if function is None else _code_origin(function)
+
+
 def _patch_origin(forward: Any, owner: type) -> str | None:
     """``module.qualname`` of ``forward``'s code where it was written outside ``owner``'s top-level package, else None."""
+    origin = _code_origin(forward)
+    if origin is None or origin.split(".")[0] == str(owner.__module__).split(".")[0]:
+        return None
+    return origin
+
+
+def _code_origin(forward: Any) -> str | None:
+    """``module.qualname`` of the code ``forward`` runs, read from the code's globals; None for a builtin."""
     function = forward
     while True:  # a bound method, a partial (accelerate's hooks) or a staticmethod in a class body
         if isinstance(function, functools.partial):
@@ -64,6 +95,4 @@ def _patch_origin(forward: Any, owner: type) -> str | None:
     if code is None or not isinstance(globals_, dict):  # a builtin or a callable object: nothing to read
         return None
     where = str(globals_.get("__name__", "?"))
-    if where.split(".")[0] == str(owner.__module__).split(".")[0]:
-        return None
     return f"{where}.{getattr(code, 'co_qualname', getattr(function, '__qualname__', code.co_name))}"

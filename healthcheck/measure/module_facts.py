@@ -34,7 +34,8 @@ exactly, as strings, like the optimizer's hyperparameters:
   says how it was compiled (:func:`compile_backend`): a rank compiled with ``mode="max-autotune"`` runs other,
   autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none;
 * ``model.patched_forwards``: module forwards replaced with another package's code (an attention patch applied at
-  import on some nodes only; :mod:`healthcheck.measure.forward_patches`).
+  import on some nodes only), and ``model.attention_function``, the function transformers' attention registry runs
+  for the config's kernel (one registered over ``sdpa``; :mod:`healthcheck.measure.forward_patches`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import re
 from collections import Counter
 from typing import Any, Iterator
 
-from healthcheck.measure.forward_patches import patched_forwards
+from healthcheck.measure.forward_patches import attention_function, patched_forwards
 
 #: Config keys that cannot change what a training step computes; they may differ between ranks harmlessly
 #: (the checkpoint's path on each node) or are compared elsewhere (the transformers version). Keys that
@@ -97,6 +98,8 @@ def module_facts(model: Any) -> dict[str, str]:
     kernel = getattr(config, "_attn_implementation", None)
     if isinstance(kernel, str):
         facts["model.attn_implementation"] = kernel
+        if (function := attention_function(kernel)) is not None:
+            facts["model.attention_function"] = function
     if config is not None:
         facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(_settings_of(config))})
     facts.update(adapter_settings(named))

@@ -45,3 +45,19 @@ def test_an_instances_own_forward_is_read_and_a_partial_unwrapped():
     assert patched_forwards(list(net.named_modules())) == (
         "Linear instance.forward from fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
     assert hooked(torch.ones(1, 2)).shape == (1, 2)
+
+
+def test_an_attention_registered_over_sdpa_is_named_though_no_forward_changed():
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from healthcheck.measure.forward_patches import attention_function
+
+    assert attention_function("sdpa") == "transformers.integrations.sdpa_attention.sdpa_attention_forward"
+    assert attention_function("eager") is None  # each model's own function, outside the registry
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", _PATCH["wrap"](original))  # a node's launch path registers its own
+    try:
+        assert attention_function("sdpa") == "fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward"
+    finally:
+        AttentionInterface.register("sdpa", original)
