@@ -153,9 +153,9 @@ ENV_PREFIXES = ("NCCL_", "HCCL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_", "
 #: Variables that differ between ranks by design (one device per rank), so they are not compared.
 PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES", "ASCEND_DEVICE_ID")
 #: Variables that name a node's own files (``TORCH_HOME``, ``TORCHINDUCTOR_CACHE_DIR``, ``NCCL_TOPO_FILE``,
-#: ``PYTORCH_TUNABLEOP_FILENAME``): a cluster
-#: points them at each node's disk, often a folder per rank so that compile caches do not race, and the path is no
-#: setting of the math. Not compared, as the Trainer's ``*_dir`` arguments are not.
+#: ``PYTORCH_TUNABLEOP_FILENAME``): a cluster points them at each node's disk, often a folder per rank so that compile
+#: caches do not race, and the path is no setting of the math. Not compared, as the Trainer's ``*_dir`` arguments are
+#: not.
 NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_FILENAME", "_HOME")
 
 

@@ -61,8 +61,10 @@ class ClipRecorder:
     def observe(self, name: str, tensors: list[Any], args: tuple, kwargs: dict) -> bool:
         """Record a clip before the first step; whether it was of the model's gradients (then it was recorded).
         ``tensors``: the parameters, or the gradients for :data:`NORM_FUNCTION`."""
+        if self._calls is None:  # after the first step: nothing more to record (no set of the model's gradients built)
+            return False
         owned = self.grads() if name == NORM_FUNCTION else self.owned()
-        if self._calls is None or not owned.intersection(id(t) for t in tensors):
+        if not owned.intersection(id(t) for t in tensors):
             return False
         if name == NORM_FUNCTION:
             self._norm_type = _number(kwargs.get("norm_type", args[0] if args else 2.0))
