@@ -1,5 +1,6 @@
-"""Which module forwards a script replaced with code from another package (``model.patched_forwards``), and which
-function transformers' attention registry runs (``model.attention_function``).
+"""Which module forwards a script replaced with code from another package (``model.patched_forwards``), which
+functions and classes of the model's code modules it replaced (``model.patched_functions``), and which function
+transformers' attention registry runs (``model.attention_function``).
 
 Why: fine-tuning repositories patch model code at import time. FastChat's and LongLoRA's attention patches assign
 ``LlamaAttention.forward``, Liger's ``apply_liger_kernel_to_llama`` assigns ``LlamaForCausalLM.forward`` to its fused
@@ -11,15 +12,31 @@ advised draining a sound node.
 A forward is patched when its code was defined outside the top-level package of the class that holds it (read from
 the code's own globals, so a ``functools.wraps`` wrapper, which copies ``__module__`` and ``__qualname__`` from the
 function it wraps, still shows where it was written). Decorators a package writes for its own classes stay inside
-it and are no patch; one from another package reads as one, alike on every rank that has that package (transformers
-wraps its attention forwards with the Hub's ``kernels`` where that is installed). An instance's own ``forward``
-(accelerate's autocast wrapper, its offloading hooks) is read the same way.
+it and are no patch; one from another package reads as one, alike on every rank that has that package, but for the
+Hub's ``kernels`` decorator that transformers wraps its attention forwards with, which only routes calls. An
+instance's own ``forward`` (accelerate's autocast wrapper, its offloading hooks) is read the same way.
+
+A patch need not touch a forward: Liger's ``apply_liger_kernel_to_llama`` also assigns ``modeling_llama.
+apply_rotary_pos_emb`` and ``modeling_llama.LlamaRMSNorm``, which ``LlamaAttention.forward`` and the model's constructor
+look up in their module at each call. So the modules that define the model's classes, and ``torch.nn.functional``,
+which every model calls, are read too: a name the module's source defines at its top level (``def``, ``class`` or an
+assignment) that now holds a function or class written in another package is a patch. Names a module imports are
+not in its source's definitions, so ``from kernels import ...`` is none.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
 from typing import Any
+
+#: healthcheck's own top-level package, whose wrappers are no patch of the script's.
+_OURS = __name__.split(".")[0]
+#: Modules every model's step calls into, read beside those that define the model's classes.
+SHARED_MODULES = ("torch.nn.functional",)
+#: A name a module's source binds at its top level: a def, a class, or an assignment (``gelu = _add_docstr(...)``).
+_TOP_LEVEL_NAME = re.compile(r"^(?:async[ \t]+def|def|class)[ \t]+(\w+)|^(\w+)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
 
 
 def patched_forwards(named: list[tuple[str, Any]]) -> str:
@@ -51,6 +68,53 @@ def patched_forwards(named: list[tuple[str, Any]]) -> str:
     return ", ".join(sorted(found)) or "none"
 
 
+def patched_functions(named: list[tuple[str, Any]]) -> str:
+    """Each function or class of the model's code modules (and :data:`SHARED_MODULES`) that code from another package
+    replaced, as ``module.name from module.function``, sorted, or ``none``.
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU())
+    >>> patched_functions(list(net.named_modules()))
+    'none'
+    >>> fast_gelu = eval("lambda x, approximate='none': x", {"__name__": "fast_kernels"})  # another package's code
+    >>> gelu, F.gelu = F.gelu, fast_gelu
+    >>> patched_functions(list(net.named_modules()))
+    'torch.nn.functional.gelu from fast_kernels.<lambda>'
+    >>> F.gelu = gelu
+
+    healthcheck's own wrappers (the loss capture's ``F.cross_entropy``) are seen through, to what they wrap.
+    """
+    names = {type(module).__module__ for _, module in named} | {name for name in SHARED_MODULES if name in sys.modules}
+    found: list[str] = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        top = name.split(".")[0]
+        for defined in _top_level_names(module):
+            value = vars(module).get(defined)
+            while value is not None and (_code_origin(value) or "").split(".")[0] == _OURS:
+                value = getattr(value, "__wrapped__", None)  # functools.wraps keeps what our wrapper wraps
+            origin = (_code_origin(value) if not isinstance(value, type)
+                      else f"{value.__module__}.{value.__qualname__}")
+            if origin is not None and origin.split(".")[0] != top:
+                found.append(f"{name}.{defined} from {origin}")
+    return ", ".join(found) or "none"
+
+
+def _top_level_names(module: Any) -> list[str]:
+    """The names ``module``'s source binds at its top level, in order; none where it has no readable source (a
+    builtin or compiled module, ``__main__``, whose entry in ``sys.modules`` is the launcher's and not the script's)."""
+    path = getattr(module, "__file__", None)
+    if module is None or module.__name__ == "__main__" or not isinstance(path, str) or not path.endswith(".py"):
+        return []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            text = source.read()
+    except OSError:
+        return []
+    return list(dict.fromkeys(a or b for a, b in _TOP_LEVEL_NAME.findall(text)))
+
+
 def attention_function(kernel: str) -> str | None:
     """Where transformers' attention registry sends the kernel a model's config names (``sdpa``, ``flash_attention_2``,
     ...), as ``module.function``; None where transformers is not imported or the registry has no such entry (``eager``
@@ -74,11 +138,29 @@ def attention_function(kernel: str) -> str | None:
 
 
 def _patch_origin(forward: Any, owner: type) -> str | None:
-    """``module.qualname`` of ``forward``'s code where it was written outside ``owner``'s top-level package, else None."""
+    """``module.qualname`` of ``forward``'s code where it was written outside ``owner``'s top-level package, else None.
+    A routing decorator (:func:`_routes`) is seen through to the forward it wraps."""
     origin = _code_origin(forward)
+    while _routes(origin) and hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+        origin = _code_origin(forward)
     if origin is None or origin.split(".")[0] == str(owner.__module__).split(".")[0]:
         return None
     return origin
+
+
+def _routes(origin: str | None) -> bool:
+    """Whether code at ``origin`` is a decorator that transformers applies to its own classes and that computes nothing:
+    the Hub's ``kernels`` (a dependency of transformers) wraps each attention forward with ``use_kernelized_func``,
+    which only routes the calls of the functions it names to per-instance wrappers (the functions themselves unless
+    ``kernels.kernelize`` replaced them, which replaces forwards of its own).
+
+    >>> _routes("kernels._internals.layer.layer.use_kernelized_func.<locals>.decorator.<locals>.new_forward")
+    True
+    >>> _routes("fastchat.train.llama_flash_attn_monkey_patch.forward")
+    False
+    """
+    return origin is not None and origin.startswith("kernels.") and ".use_kernelized_func.<locals>." in origin
 
 
 def _code_origin(forward: Any) -> str | None:

@@ -34,7 +34,8 @@ exactly, as strings, like the optimizer's hyperparameters:
   says how it was compiled (:func:`compile_backend`): a rank compiled with ``mode="max-autotune"`` runs other,
   autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none;
 * ``model.patched_forwards``: module forwards replaced with another package's code (an attention patch applied at
-  import on some nodes only), and ``model.attention_function``, the function transformers' attention registry runs
+  import on some nodes only), ``model.patched_functions``: the functions and classes of the model's code modules
+  replaced so (Liger's rotary embedding), and ``model.attention_function``, the function transformers' attention registry runs
   for the config's kernel (one registered over ``sdpa``; :mod:`healthcheck.measure.forward_patches`).
 """
 
@@ -45,7 +46,7 @@ import re
 from collections import Counter
 from typing import Any, Iterator
 
-from healthcheck.measure.forward_patches import attention_function, patched_forwards
+from healthcheck.measure.forward_patches import attention_function, patched_forwards, patched_functions
 
 #: Config keys that cannot change what a training step computes; they may differ between ranks harmlessly
 #: (the checkpoint's path on each node) or are compared elsewhere (the transformers version). Keys that
@@ -93,6 +94,7 @@ def module_facts(model: Any) -> dict[str, str]:
         "model.eval_modules": _eval_modules(named),
         "model.compile": compiled_modules(every),
         "model.patched_forwards": patched_forwards(named),
+        "model.patched_functions": patched_functions(named),
     }
     config = _transformers_config(named)
     kernel = getattr(config, "_attn_implementation", None)

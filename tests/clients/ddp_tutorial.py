@@ -30,7 +30,8 @@ calls the model without its ``attention_mask``) and ``z-loss-rank=R`` (rank R ad
 square of its logits' log-partition, a term a per-node config switches on).
 ``attention-patch-rank=R``: rank R applies an attention patch at import time (``tests/clients/attention_patch.py``:
 ``LlamaAttention.forward`` replaced, as FastChat's and LongLoRA's patches replace it), as a launch path that applies
-it on some nodes only would.
+it on some nodes only would. ``rope-patch-rank=R``: rank R replaces transformers' module-level
+``apply_rotary_pos_emb`` instead (``attention_patch.apply_rope``, as Liger's ``rope=True`` does).
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
@@ -286,6 +287,10 @@ def main():
         import attention_patch
 
         attention_patch.apply()
+    if faulted("rope-patch-rank"):
+        import attention_patch
+
+        attention_patch.apply_rope()
     tok = AutoTokenizer.from_pretrained(args.model)
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     if faulted("norm-eps-rank"):

@@ -139,9 +139,10 @@ def test_gradient_metrics_equal_a_float64_reference(client_run):
         # Decisive at step 0 (fail fast), each named at its own rank: a rank that reseeds after init_process_group; a
         # setting no parameter holds, read at the first training forward; a rank whose data file differs (its indices
         # follow the plan, its samples do not: it passed before the dataset digest); a rank with lower matmul precision;
-        # a rank that patches its attention's forward at import (only the replay saw it, and blamed the device).
-        ("reseed-rank=1,dropout-rank=3,stale-data-rank=2,matmul-medium-rank=0,attention-patch-rank=3", STEPS,
-         {"audit.seeds": {1}, "audit.environment": {0, 3}, "audit.data_shards": {2}}),
+        # a rank that patches its attention's forward at import, and one that patches the module-level rotary
+        # embedding its attention calls, as Liger does (only the replay saw either, and blamed the device).
+        ("reseed-rank=1,dropout-rank=3,stale-data-rank=2,matmul-medium-rank=0,attention-patch-rank=0,rope-patch-rank=2",
+         STEPS, {"audit.seeds": {1}, "audit.environment": {0, 2, 3}, "audit.data_shards": {2}}),
         # A sampler seeded per rank; a rank left in eval mode by a validation pass; a loss setting on one rank (near the
         # uniform distribution, label smoothing barely moves the statistics); a rank whose model config is another
         # revision (the same parameters, another function: only the replay noticed it, and blamed the device); a rank
@@ -195,7 +196,7 @@ def test_faulty_scripts_fail_and_name_each_fault_at_its_rank(bugs, steps, expect
                     "norm-eps-rank": ["model.config.rms_norm_eps", "model.modules.LlamaRMSNorm"],
                     "batch-size-rank": ["data.batch_size"],
                     "nodecay-lr-rank": ["optimizer[1].lr"],
-                    "attention-patch-rank": ["model.patched_forwards"],
+                    "attention-patch-rank": ["model.patched_forwards"], "rope-patch-rank": ["model.patched_functions"],
                     "loop-shift-rank": ["loss.target_shift"], "input-noise-rank": ["loss.target_shift"],
                     "no-mask-rank": ["train.forward_args"], "z-loss-rank": ["loss.graph"],
                     # "medium" lowers every backend's fp32 matmul that has no precision of its own: cuBLAS and oneDNN

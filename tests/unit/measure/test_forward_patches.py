@@ -1,4 +1,5 @@
-"""model.patched_forwards: forwards whose code was written outside the package of the class that holds them."""
+"""model.patched_forwards: forwards whose code was written outside the package of the class that holds them;
+model.patched_functions: functions and classes of the model's code modules replaced so."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import functools
 
 import torch
 
-from healthcheck.measure.forward_patches import patched_forwards
+from healthcheck.measure.forward_patches import patched_forwards, patched_functions
 
 # A patch module of another package, as FastChat's is: its functions' globals name it.
 _PATCH = {"__name__": "fastchat.train.llama_flash_attn_monkey_patch", "functools": functools}
@@ -17,6 +18,16 @@ exec(  # noqa: S102 - the test needs code whose globals are another package's
     "        return original(self, x) * 1.0\n"
     "    return forward\n",
     _PATCH,
+)
+# Liger's: a package of fused kernels whose module-level functions replace transformers' own.
+_LIGER = {"__name__": "liger_kernel.transformers.rope", "functools": functools}
+exec(  # noqa: S102 - as above
+    "def wrap(original):\n"
+    "    @functools.wraps(original)\n"
+    "    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):\n"
+    "        return original(q, k, cos, sin, *args, **kwargs)\n"
+    "    return apply_rotary_pos_emb\n",
+    _LIGER,
 )
 
 
@@ -61,3 +72,65 @@ def test_an_attention_registered_over_sdpa_is_named_though_no_forward_changed():
         assert attention_function("sdpa") == "fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward"
     finally:
         AttentionInterface.register("sdpa", original)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    return LlamaForCausalLM(config)
+
+
+def test_a_module_level_function_and_class_replaced_by_another_package_are_named(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = _tiny_llama()
+    before = model(torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss
+    assert patched_functions(list(model.named_modules())) == "none"  # transformers' own decorators and imports are none
+    # the Hub's `kernels` (transformers' dependency) wraps the attention forward with a decorator that only routes calls
+    assert patched_forwards(list(model.named_modules())) == "none"
+    # Liger's apply_liger_kernel_to_llama(rope=True, rms_norm=True): no forward changes, the module's names do
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", _LIGER["wrap"](modeling_llama.apply_rotary_pos_emb))
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", torch.nn.RMSNorm)
+    assert patched_forwards(list(model.named_modules())) == "none"
+    assert patched_functions(list(model.named_modules())) == (
+        "transformers.models.llama.modeling_llama.LlamaRMSNorm from torch.nn.modules.normalization.RMSNorm, "
+        "transformers.models.llama.modeling_llama.apply_rotary_pos_emb from "
+        "liger_kernel.transformers.rope.wrap.<locals>.apply_rotary_pos_emb")
+    # the forward looks the function up at each call: the patch is what runs
+    assert torch.equal(model(torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss, before)
+
+
+def test_a_function_torch_nn_functional_binds_by_assignment_is_read_too(monkeypatch):
+    import torch.nn.functional as F
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert patched_functions(list(net.named_modules())) == "none"
+    # a builtin bound by assignment (`scaled_dot_product_attention = _add_docstr(...)`), replaced on one node
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _PATCH["wrap"](F.scaled_dot_product_attention))
+    assert patched_functions(list(net.named_modules())) == (
+        "torch.nn.functional.scaled_dot_product_attention from "
+        "fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
+
+
+def test_healthchecks_own_loss_wrapper_is_seen_through_to_what_it_wraps(monkeypatch):
+    import torch.nn.functional as F
+
+    from healthcheck.integrations import loss_hooks
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    loss_hooks.patch_cross_entropy()  # what script mode installs before the script runs
+    try:
+        assert patched_functions(list(net.named_modules())) == "none"
+    finally:
+        loss_hooks.unpatch()
+    # a node's own cross-entropy, applied at import before the capture wraps it
+    monkeypatch.setattr(F, "cross_entropy", _PATCH["wrap"](F.cross_entropy))
+    loss_hooks.patch_cross_entropy()
+    try:
+        assert F.cross_entropy.__code__.co_name == "cross_entropy"  # the capture's, on top
+        assert patched_functions(list(net.named_modules())) == (
+            "torch.nn.functional.cross_entropy from fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
+    finally:
+        loss_hooks.unpatch()

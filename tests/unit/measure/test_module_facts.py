@@ -31,6 +31,7 @@ def test_dropout_modules_count_once_and_a_model_without_any_says_none():
         "model.eval_modules": "none of 1 in eval mode",
         "model.compile": "none",
         "model.patched_forwards": "none",
+        "model.patched_functions": "none",
         "model.modules.Linear": "1x in_features=2, out_features=2, bias=True",
     }
 
