@@ -157,6 +157,17 @@ PER_RANK_ENV = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VIS
 #: caches do not race, and the path is no setting of the math. Not compared, as the Trainer's ``*_dir`` arguments are
 #: not.
 NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_FILENAME", "_HOME")
+#: Variables that name a node's network interfaces, adapters or address: a cluster whose nodes name their NICs
+#: differently (``eth0`` and ``ens5``, ``mlx5_0`` and ``mlx5_2``) sets them per node, and Ascend's ``HCCL_IF_IP`` is the
+#: node's own IP. Which wire carries the bytes changes no sum.
+NODE_NETWORK_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_HOSTID", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME",
+                    "HCCL_IF_BASE_PORT")
+#: Diagnostics that change what a rank logs or dumps, never what it computes or which collectives it calls: a node
+#: being debugged runs with ``NCCL_DEBUG=INFO`` or a flight recorder while the others do not. (``TORCH_DISTRIBUTED_DEBUG``
+#: is compared: at ``DETAIL`` it checks each collective's shapes with collectives of its own.)
+DIAGNOSTIC_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES",
+                  "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DESYNC_DEBUG",
+                  "TORCHDYNAMO_VERBOSE", "TRITON_PRINT_AUTOTUNING")
 
 
 def compared_variable(name: str) -> bool:
@@ -164,8 +175,11 @@ def compared_variable(name: str) -> bool:
 
     >>> [compared_variable(name) for name in ("NCCL_ALGO", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "TORCH_HOME")]
     [True, False, False, False]
+    >>> [compared_variable(name) for name in ("NCCL_PROTO", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")]
+    [True, False, False, True]
     """
-    return name not in PER_RANK_ENV and not name.endswith(NODE_FILE_SUFFIXES)
+    return (name not in PER_RANK_ENV and name not in NODE_NETWORK_ENV and name not in DIAGNOSTIC_ENV
+            and not name.endswith(NODE_FILE_SUFFIXES))
 
 
 def rank_environment() -> dict[str, str]:

@@ -39,8 +39,11 @@ PROBE_ARGS = [
     # Start-up dominates on 2 cores: a small data set keeps each worker's tokenizing short.
     "--set", "data.synthetic_samples=64", "--set", "train.micro_batch_size=2",
 ]
-# Carried into RankInfo.env (the audit records TORCH_* variables), so each rank says which agent started it.
-AGENT_VARIABLE = "TORCH_HEALTHCHECK_TEST_AGENT"
+# Each agent's own variables, as two nodes of a cluster have them: their NICs named differently, and one node being
+# debugged. RankInfo.env records NCCL_* variables, so each rank says which agent started it; the environment audit
+# compares none of these (they change no sum), and before 2026-12-07 it failed every such two-node probe.
+AGENT_ENV = {"a": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5_0"},
+             "b": {"NCCL_SOCKET_IFNAME": "ens5", "NCCL_IB_HCA": "mlx5_2", "NCCL_DEBUG": "INFO"}}
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "GROUP_RANK", "TORCHELASTIC_RUN_ID", "GITHUB_STEP_SUMMARY", "GITHUB_ACTIONS")
 
@@ -105,7 +108,7 @@ def run_agents(
                 log = logs.enter_context(open(tmp_path / f"agent-{name}.log", "w"))
                 agents.append(subprocess.Popen(
                     agent_command(port, run_id, out, is_host=name == AGENTS[0], probe_args=probe_args), cwd=tmp_path,
-                    stdout=log, stderr=subprocess.STDOUT, env={**base_env, AGENT_VARIABLE: name}, start_new_session=True,
+                    stdout=log, stderr=subprocess.STDOUT, env={**base_env, **AGENT_ENV[name]}, start_new_session=True,
                 ))
             deadline = time.monotonic() + timeout_s
             for process in agents:
@@ -145,8 +148,8 @@ def test_two_agents_form_one_four_rank_probe(tmp_path):
     # Each agent ("node") ran one contiguous block of global ranks with local ranks 0-1.
     by_agent: dict[str, list[tuple[int, int]]] = {}
     for info in ranks:
-        by_agent.setdefault(info.env[AGENT_VARIABLE], []).append((info.rank, info.local_rank))
-    assert sorted(by_agent) == ["a", "b"]
+        by_agent.setdefault(info.env["NCCL_SOCKET_IFNAME"], []).append((info.rank, info.local_rank))
+    assert sorted(by_agent) == ["ens5", "eth0"]
     for block in by_agent.values():
         assert [local for _, local in block] == [0, 1]
         assert [rank for rank, _ in block] in ([0, 1], [2, 3])
@@ -182,3 +185,6 @@ def test_a_scripts_sampler_given_local_rank_is_named_on_the_second_node(tmp_path
     shards = result.audits["data_shards"]
     assert not shards["passed"] and shards["ranks"] == [2, 3], shards["message"]
     assert shards["message"].startswith("rank 2 read the shard planned for rank 0; rank 3 read the shard planned for rank 1")
+    # the nodes' own NIC names and one node's NCCL_DEBUG are no difference between the ranks
+    environment = result.audits["environment"]
+    assert environment["passed"], environment["message"]

@@ -315,13 +315,17 @@ def test_environment_differences_name_ranks():
     assert outcome.signature == "env.NCCL_ALGO 0-5,7|6; precision 0-2,4-7|3"
 
 
-def test_variables_naming_a_nodes_files_are_not_compared_and_the_compilers_settings_are():
+def test_variables_naming_a_nodes_files_network_or_diagnostics_are_not_compared_and_the_compilers_settings_are():
     # A per-rank compile cache (a common launcher habit, so that ranks do not race on one folder) is no difference;
     # a rank whose launch turns on max-autotune runs other kernels.
     ranks = [_env() for _ in range(4)]
     for rank, row in enumerate(ranks):
         row["env"].update({"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor-{rank}", "TORCH_HOME": f"/node{rank // 2}/torch",
                            "NCCL_TOPO_FILE": f"/node{rank // 2}/topo.xml"})
+    # nodes whose NICs are named differently, and one node being debugged
+    for rank in (2, 3):
+        ranks[rank]["env"].update({"NCCL_SOCKET_IFNAME": "ens5", "NCCL_IB_HCA": "mlx5_2", "NCCL_DEBUG": "INFO",
+                                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
     assert environment_audit(ranks).passed
     ranks[2]["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"
     outcome = environment_audit(ranks)
