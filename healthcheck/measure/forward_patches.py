@@ -70,7 +70,7 @@ def patched_forwards(named: list[tuple[str, Any]]) -> str:
 
 def patched_functions(named: list[tuple[str, Any]]) -> str:
     """Each function or class of the model's code modules (and :data:`SHARED_MODULES`) that code from another package
-    replaced, as ``module.name from module.function``, sorted, or ``none``.
+    replaced, as ``module.name from module.function`` (by module, in the order of its source), or ``none``.
 
     >>> import torch
     >>> import torch.nn.functional as F

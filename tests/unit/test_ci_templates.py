@@ -402,4 +402,23 @@ def test_the_readme_test_command_is_exactly_what_ci_runs():
     assert command.endswith("python3 -m pytest -q") and "install -y --no-install-recommends chromium" in command
     assert f"```bash\n{command}\n```" in readme
     assert run(tool("shellcheck"), REPO / ".ci" / "run").returncode == 0
+    assert "python3 -m pip install -e '.[test]' -c .ci/constraints.txt" in command
     assert (REPO / "docs" / "report-fail.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the README's screenshot
+
+
+def test_the_constraints_pin_every_requirement_of_the_test_install_but_torch():
+    # A requirement added to pyproject.toml without a refreeze would float again in CI.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+, as CI runs
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {canonicalize_name(Requirement(line).name) for line in project["dependencies"] + project["optional-dependencies"]["test"]}
+    pinned = {}
+    for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and canonicalize_name(name) not in pinned, line  # exact pins, each once
+            pinned[canonicalize_name(name)] = version
+    assert wanted - {"torch"} <= set(pinned), wanted - {"torch"} - set(pinned)
+    assert "torch" not in pinned and "healthcheck" not in pinned
