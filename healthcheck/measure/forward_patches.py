@@ -144,9 +144,27 @@ def _patch_origin(forward: Any, owner: type) -> str | None:
     while _routes(origin) and hasattr(forward, "__wrapped__"):
         forward = forward.__wrapped__
         origin = _code_origin(forward)
-    if origin is None or origin.split(".")[0] == str(owner.__module__).split(".")[0]:
+    if origin is None or origin.split(".")[0] in _packages(owner):
         return None
     return origin
+
+
+def _packages(owner: type) -> set[str]:
+    """The top-level packages of ``owner`` and of its bases but ``nn.Module`` and ``object``, which every module has.
+
+    FSDP2 gives each module it shards a class of its own made in torch, ``FSDPLlamaDecoderLayer(FSDPModule,
+    LlamaDecoderLayer)``, and transformers' ``GradientCheckpointingLayer.__init_subclass__`` sets that class's
+    ``forward`` to its own wrapper: code of a base's package, no patch.
+
+    >>> import torch
+    >>> class Block(torch.nn.Linear):
+    ...     pass
+    >>> sorted(_packages(Block))  # a doctest's class is this module's
+    ['healthcheck', 'torch']
+    """
+    shared = {("torch.nn.modules.module", "Module"), ("builtins", "object")}
+    bases = [base for base in owner.__mro__[1:] if (base.__module__, base.__qualname__) not in shared]
+    return {str(base.__module__).split(".")[0] for base in [owner, *bases]}
 
 
 def _routes(origin: str | None) -> bool:

@@ -134,3 +134,24 @@ def test_healthchecks_own_loss_wrapper_is_seen_through_to_what_it_wraps(monkeypa
             "torch.nn.functional.cross_entropy from fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
     finally:
         loss_hooks.unpatch()
+
+
+def test_fsdp2s_class_for_a_sharded_layer_keeps_its_bases_forward_and_a_patch_under_it_shows():
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.models.llama import modeling_llama
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    # what fully_shard does to each module it shards, without a process group: a class of its own, made in torch,
+    # whose forward transformers' GradientCheckpointingLayer.__init_subclass__ wraps
+    made_in = {"__module__": "torch.distributed.fsdp._fully_shard._fully_shard"}  # where fully_shard calls type()
+    layer.__class__ = type(f"FSDP{type(layer).__name__}", (FSDPModule, type(layer)), made_in)
+    assert "forward" in vars(type(layer)) and type(layer).__module__.startswith("torch.")
+    assert patched_forwards(list(model.named_modules())) == "none"
+    original = modeling_llama.LlamaAttention.forward
+    modeling_llama.LlamaAttention.forward = _PATCH["wrap"](original)
+    try:
+        assert patched_forwards(list(model.named_modules())) == (
+            "LlamaAttention.forward from fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
+    finally:
+        modeling_llama.LlamaAttention.forward = original
