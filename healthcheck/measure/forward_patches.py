@@ -1,6 +1,6 @@
 """Which module forwards a script replaced with code from another package (``model.patched_forwards``), which
-functions and classes of the model's code modules it replaced (``model.patched_functions``), and which function
-transformers' attention registry runs (``model.attention_function``).
+functions and classes of the model's code modules it replaced (``model.patched_functions``), and which functions
+transformers' attention and mask registries run (``model.attention_function``, ``model.mask_function``).
 
 Why: fine-tuning repositories patch model code at import time. FastChat's and LongLoRA's attention patches assign
 ``LlamaAttention.forward``, Liger's ``apply_liger_kernel_to_llama`` assigns ``LlamaForCausalLM.forward`` to its fused
@@ -18,10 +18,11 @@ instance's own ``forward`` (accelerate's autocast wrapper, its offloading hooks)
 
 A patch need not touch a forward: Liger's ``apply_liger_kernel_to_llama`` also assigns ``modeling_llama.
 apply_rotary_pos_emb`` and ``modeling_llama.LlamaRMSNorm``, which ``LlamaAttention.forward`` and the model's constructor
-look up in their module at each call. So the modules that define the model's classes, and ``torch.nn.functional``,
-which every model calls, are read too: a name the module's source defines at its top level (``def``, ``class`` or an
-assignment) that now holds a function or class written in another package is a patch. Names a module imports are
-not in its source's definitions, so ``from kernels import ...`` is none.
+look up in their module at each call. So the modules that define the model's classes, and :data:`SHARED_MODULES`
+(``torch.nn.functional``, transformers' attention, mask and loss modules), are read too: a name the module's source
+defines at its top level (``def``, ``class`` or an assignment) that now holds a function or class written in another
+package is a patch. Names a module imports are not in its source's definitions, so ``from kernels import ...`` is
+none.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ from typing import Any
 
 #: healthcheck's own top-level package, whose wrappers are no patch of the script's.
 _OURS = __name__.split(".")[0]
-#: Modules every model's step calls into, read beside those that define the model's classes.
-SHARED_MODULES = ("torch.nn.functional",)
+#: Modules every model's step calls into, read beside those that define the model's classes where they are imported:
+#: torch's functions, and transformers' attention kernels, masks (sample-packing patches replace
+#: ``_get_unpad_data`` or the mask functions) and losses.
+SHARED_MODULES = ("torch.nn.functional", "transformers.masking_utils", "transformers.modeling_flash_attention_utils",
+                  "transformers.integrations.sdpa_attention", "transformers.integrations.flash_attention",
+                  "transformers.integrations.flex_attention", "transformers.loss.loss_utils")
 #: A name a module's source binds at its top level: a def, a class, or an assignment (``gelu = _add_docstr(...)``).
 _TOP_LEVEL_NAME = re.compile(r"^(?:async[ \t]+def|def|class)[ \t]+(\w+)|^(\w+)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
 
@@ -127,11 +132,28 @@ def attention_function(kernel: str) -> str | None:
     >>> attention_function("no-such-kernel") is None
     True
     """
-    import sys
+    return _registered("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", kernel)
 
-    registry = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+
+def mask_function(kernel: str) -> str | None:
+    """Where transformers' mask registry sends the kernel a model's config names, as ``module.function``; None where
+    transformers' ``masking_utils`` is not imported or has no such entry.
+
+    The same kind of global, writable registry (``AttentionMaskInterface.register("sdpa", fn)``): a sample-packing
+    patch that builds its own mask, applied on some nodes only, lets their documents attend to each other while the
+    config and every forward agree.
+
+    >>> mask_function("no-such-kernel") is None
+    True
+    """
+    return _registered("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", kernel)
+
+
+def _registered(module: str, registry: str, kernel: str) -> str | None:
+    """``module.function`` of ``sys.modules[module].<registry>[kernel]``; None where there is none."""
+    table = getattr(sys.modules.get(module), registry, None)
     try:
-        function = registry[kernel] if registry is not None else None
+        function = table[kernel] if table is not None else None
     except (KeyError, TypeError):
         return None
     return None if function is None else _code_origin(function)

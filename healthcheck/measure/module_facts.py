@@ -35,8 +35,9 @@ exactly, as strings, like the optimizer's hyperparameters:
   autotuned kernels where the others run inductor's defaults, and one compiled with ``aot_eager`` runs none;
 * ``model.patched_forwards``: module forwards replaced with another package's code (an attention patch applied at
   import on some nodes only), ``model.patched_functions``: the functions and classes of the model's code modules
-  replaced so (Liger's rotary embedding), and ``model.attention_function``, the function transformers' attention registry runs
-  for the config's kernel (one registered over ``sdpa``; :mod:`healthcheck.measure.forward_patches`).
+  replaced so (Liger's rotary embedding), and ``model.attention_function`` and ``model.mask_function``, the functions
+  transformers' attention and mask registries run for the config's kernel (one registered over ``sdpa``;
+  :mod:`healthcheck.measure.forward_patches`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import re
 from collections import Counter
 from typing import Any, Iterator
 
-from healthcheck.measure.forward_patches import attention_function, patched_forwards, patched_functions
+from healthcheck.measure.forward_patches import attention_function, mask_function, patched_forwards, patched_functions
 
 #: Config keys that cannot change what a training step computes; they may differ between ranks harmlessly
 #: (the checkpoint's path on each node) or are compared elsewhere (the transformers version). Keys that
@@ -102,6 +103,8 @@ def module_facts(model: Any) -> dict[str, str]:
         facts["model.attn_implementation"] = kernel
         if (function := attention_function(kernel)) is not None:
             facts["model.attention_function"] = function
+        if (function := mask_function(kernel)) is not None:
+            facts["model.mask_function"] = function
     if config is not None:
         facts.update({f"model.config.{key}": _shown(value) for key, value in _flat(_settings_of(config))})
     facts.update(adapter_settings(named))

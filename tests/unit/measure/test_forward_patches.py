@@ -155,3 +155,38 @@ def test_fsdp2s_class_for_a_sharded_layer_keeps_its_bases_forward_and_a_patch_un
             "LlamaAttention.forward from fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward")
     finally:
         modeling_llama.LlamaAttention.forward = original
+
+
+def test_a_mask_patch_in_transformers_shared_modules_is_named_and_is_what_runs(monkeypatch):
+    from transformers import masking_utils, modeling_flash_attention_utils
+
+    model = _tiny_llama()
+    ids, mask = torch.arange(8).view(1, 8), torch.ones(1, 8, dtype=torch.long)
+    mask[0, 0] = 0  # left padding: sdpa is given the mask instead of is_causal
+    before = model(ids, attention_mask=mask).logits
+    assert patched_functions(list(model.named_modules())) == "none"
+    # a node's launch path lets each token see the next one too: an off-by-one in a packing patch's mask
+    sees_ahead = eval("lambda batch_idx, head_idx, q_idx, kv_idx: kv_idx <= q_idx + 1", {"__name__": "packing.mask"})
+    monkeypatch.setattr(masking_utils, "causal_mask_function", sees_ahead)
+    # axolotl-style multipack replaces the unpadding helper of flash-attention's path
+    monkeypatch.setattr(modeling_flash_attention_utils, "_get_unpad_data", _LIGER["wrap"](lambda mask: mask))
+    assert patched_functions(list(model.named_modules())) == (
+        "transformers.masking_utils.causal_mask_function from packing.mask.<lambda>, "
+        "transformers.modeling_flash_attention_utils._get_unpad_data from "
+        "liger_kernel.transformers.rope.wrap.<locals>.apply_rotary_pos_emb")
+    assert not torch.allclose(model(ids, attention_mask=mask).logits, before)  # looked up at each call: the patch runs
+
+
+def test_a_mask_function_registered_over_sdpa_is_named():
+    from transformers import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from healthcheck.measure.forward_patches import mask_function
+
+    assert mask_function("sdpa") == "transformers.masking_utils.sdpa_mask"
+    original = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionMaskInterface.register("sdpa", _PATCH["wrap"](original))
+    try:
+        assert mask_function("sdpa") == "fastchat.train.llama_flash_attn_monkey_patch.wrap.<locals>.forward"
+    finally:
+        AttentionMaskInterface.register("sdpa", original)
