@@ -9,12 +9,12 @@ another function (or the same one with other kernels) from the same parameters, 
 so: the config still reads ``sdpa``. Only the replay audit saw it, as a device that "computes differently", and it
 advised draining a sound node.
 
-A forward is patched when its code was defined outside the top-level package of the class that holds it (read from
-the code's own globals, so a ``functools.wraps`` wrapper, which copies ``__module__`` and ``__qualname__`` from the
-function it wraps, still shows where it was written). Decorators a package writes for its own classes stay inside
-it and are no patch; one from another package reads as one, alike on every rank that has that package, but for the
-Hub's ``kernels`` decorator that transformers wraps its attention forwards with, which only routes calls. An
-instance's own ``forward`` (accelerate's autocast wrapper, its offloading hooks) is read the same way.
+A forward is patched when its code was defined outside the top-level packages of the class that holds it and of
+that class's bases (read from the code's own globals, so a ``functools.wraps`` wrapper, which copies ``__module__``
+and ``__qualname__`` from the function it wraps, still shows where it was written). Decorators a package writes for
+its own classes stay inside it and are no patch; one from another package reads as one, alike on every rank that has
+that package, but for the Hub's ``kernels`` decorator that transformers wraps its attention forwards with, which only
+routes calls. An instance's own ``forward`` (accelerate's autocast wrapper, its offloading hooks) is read the same way.
 
 A patch need not touch a forward: Liger's ``apply_liger_kernel_to_llama`` also assigns ``modeling_llama.
 apply_rotary_pos_emb`` and ``modeling_llama.LlamaRMSNorm``, which ``LlamaAttention.forward`` and the model's constructor
@@ -160,8 +160,8 @@ def _registered(module: str, registry: str, kernel: str) -> str | None:
 
 
 def _patch_origin(forward: Any, owner: type) -> str | None:
-    """``module.qualname`` of ``forward``'s code where it was written outside ``owner``'s top-level package, else None.
-    A routing decorator (:func:`_routes`) is seen through to the forward it wraps."""
+    """``module.qualname`` of ``forward``'s code where it was written outside every package of :func:`_packages`
+    (``owner``'s), else None. A routing decorator (:func:`_routes`) is seen through to the forward it wraps."""
     origin = _code_origin(forward)
     while _routes(origin) and hasattr(forward, "__wrapped__"):
         forward = forward.__wrapped__
