@@ -97,13 +97,18 @@ def patched_functions(named: list[tuple[str, Any]]) -> str:
         top = name.split(".")[0]
         for defined in _top_level_names(module):
             value = vars(module).get(defined)
-            while value is not None and (_code_origin(value) or "").split(".")[0] == _OURS:
+            origin = _value_origin(value)
+            while origin is not None and origin.split(".")[0] == _OURS:
                 value = getattr(value, "__wrapped__", None)  # functools.wraps keeps what our wrapper wraps
-            origin = (_code_origin(value) if not isinstance(value, type)
-                      else f"{value.__module__}.{value.__qualname__}")
+                origin = _value_origin(value)
             if origin is not None and origin.split(".")[0] != top:
                 found.append(f"{name}.{defined} from {origin}")
     return ", ".join(found) or "none"
+
+
+def _value_origin(value: Any) -> str | None:
+    """``module.qualname`` where ``value`` was written: a class's own, a function's read from its code."""
+    return f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else _code_origin(value)
 
 
 def _top_level_names(module: Any) -> list[str]:
