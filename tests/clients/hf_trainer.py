@@ -14,6 +14,8 @@ the Trainer then wraps a `PeftModel`, which is no `PreTrainedModel`, so DDP gets
 per-node launch config that switches it on would.
 `--neftune-rank R`: rank R trains with `neftune_noise_alpha=5` (NEFTune: noise on the input embeddings, added by a
 forward hook the Trainer registers), as a per-node launch config that switches it on would.
+`--main-reports`: as many scripts do, the main process alone shows progress and logs at `info`
+(`disable_tqdm=local_rank != 0`, `log_level="info" if local_rank == 0 else "warning"`), a clean habit.
 `--override R:KEY=VALUE` (repeatable): rank R's `TrainingArguments.KEY` is VALUE, a per-node config (`1:max_grad_norm=0.5`).
 `--output-dir DIR --save-steps N` keeps a checkpoint every N steps in DIR (`checkpoint-N`); `--resume DIR` sets
 `resume_from_checkpoint`, which the script hands to `trainer.train` as transformers' example scripts do (a rank's
@@ -88,6 +90,7 @@ def main(output_dir: str):
     ap.add_argument("--stream", choices=["no", "dispatch", "shard"], default="no",
                     help="datasets' to_iterable_dataset(): accelerate's default for it (rank 0 reads and dispatches every "
                          "rank's batch) or dispatch_batches=False (each rank skips to its own)")
+    ap.add_argument("--main-reports", action="store_true", help="the main process alone shows progress and logs at info")
     ap.add_argument("--override", action="append", default=[], metavar="R:KEY=VALUE",
                     help="rank R's TrainingArguments KEY is VALUE (a Python literal, else the string): a per-node config")
     ap.add_argument("--fsdp2", action="store_true", help="the Trainer's FSDP2 path (fully_shard per decoder layer)")
@@ -131,6 +134,7 @@ def main(output_dir: str):
                 out[k][i, : len(x[k])] = torch.tensor(x[k])
         return out
 
+    main_process = int(os.environ.get("LOCAL_RANK", 0)) == 0
     targs = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -144,7 +148,8 @@ def main(output_dir: str):
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
         resume_from_checkpoint=args.resume,
-        disable_tqdm=True,
+        disable_tqdm=not (args.main_reports and main_process),
+        log_level=("info" if main_process else "warning") if args.main_reports else "passive",
         seed=1234,
         dataloader_num_workers=0,
         average_tokens_across_devices=args.average_tokens_across_devices == "true",

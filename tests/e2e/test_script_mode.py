@@ -250,6 +250,16 @@ def test_a_bad_device_is_named_by_the_replay(client, rank, script_args, tiny_lla
     assert result["stopped_early"]["step"] == 2 and "reproduced" in result["stopped_early"]["message"]
 
 
+def test_a_trainer_whose_main_process_alone_shows_progress_passes(tiny_llama, tmp_path):
+    # disable_tqdm=local_rank != 0 and a log level per rank, as many scripts set them (report_to="wandb" on the main
+    # process alone too): nothing the ranks compute differs, and the probe failed as trainer.disable_tqdm differs.
+    out = tmp_path / "run"
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2, script_args=("--main-reports",)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    facts = json.loads((out / "result.json").read_text())["audits"]["environment"]["facts"]
+    assert facts["trainer.logging_steps"] == "1" and "trainer.disable_tqdm" not in facts and "trainer.log_level" not in facts
+
+
 def test_a_trainer_rank_with_neftune_is_named_by_its_argument_and_not_sent_to_be_drained(tiny_llama, tmp_path):
     # NEFTune on one rank adds noise to its embeddings through a forward hook. No setting the environment audit read
     # differed, and the replay, which alone saw it, advised draining a sound node; then the replay named the rank's
@@ -454,16 +464,23 @@ def test_a_stream_that_shards_itself_is_judged_by_its_samples_tokens(tiny_llama,
         assert expected in shards["message"], shards["message"]
 
 
+@pytest.fixture(scope="module")
+def nanogpt_tokens(tiny_llama, tmp_path_factory) -> Path:
+    """The client's own ``--prepare`` output (one flat uint16 token file), made once for the tests that read it."""
+    data = tmp_path_factory.mktemp("nanogpt") / "train.bin"
+    subprocess.run([sys.executable, str(CLIENTS / "nanogpt_style.py"), "--prepare", "--model", str(tiny_llama), "--data",
+                    str(DATA), "--bin", str(data)], check=True, timeout=120)
+    return data
+
+
 @pytest.mark.parametrize("bug, code, wrap", [("none", 0, ()), ("same-seed", 1, ()), ("same-seed", 1, ("--fsdp2",))])
-def test_a_nanogpt_style_loop_seeds_per_rank_and_is_judged_on_its_forwards_inputs(tiny_llama, tmp_path, bug, code, wrap):
+def test_a_nanogpt_style_loop_seeds_per_rank_and_is_judged_on_its_forwards_inputs(tiny_llama, nanogpt_tokens, tmp_path, bug,
+                                                                                   code, wrap):
     # nanoGPT's train.py: no DataLoader, torch seeded 1337 + rank so that get_batch draws each rank's own offsets. That
     # per-rank seed failed the seeds audit (exit 1, at step 0); the batches went unjudged. Without the offset every
     # rank trains on the same batches, and only the inputs of each step's forward show it. Under FSDP2 no forward's
     # inputs were kept (the replay kept them for DDP only) and this was "not measured".
-    data = tmp_path / "train.bin"
-    client = str(CLIENTS / "nanogpt_style.py")
-    subprocess.run([sys.executable, client, "--prepare", "--model", str(tiny_llama), "--data", str(DATA), "--bin", str(data)],
-                   check=True, timeout=120)
+    data, client = nanogpt_tokens, str(CLIENTS / "nanogpt_style.py")
     out = tmp_path / "run"
     done = run_cli("probe", "--script", client, "--out", str(out), "--audits-only", "--set", "distributed.nproc=4", "--set",
                    "train.steps=3", "--", "--model", str(tiny_llama), "--bin", str(data), "--bug", bug, *wrap)

@@ -12,7 +12,8 @@ rank 2 0.5``.
 The Trainer is the ``self`` of a frame below the first optimizer step (its training loop calls the step): no patch
 of transformers, and nothing is imported. Fields that name this rank's files, not how it trains (``output_dir``, a
 temporary folder per rank in many scripts, and the other ``*_dir`` fields, and ``resume_from_checkpoint``), are left
-out (:data:`NOT_COMPARED`). What a resumed checkpoint holds is compared instead: the step the Trainer resumed at
+out (:data:`NOT_COMPARED`), and so are those that change only what a rank prints or reports
+(:data:`PRESENTATION_ONLY`). What a resumed checkpoint holds is compared instead: the step the Trainer resumed at
 (``trainer.state.global_step``; a node whose copy of ``trainer_state.json`` is stale skips other batches and stops
 at another step), the optimizer's state and the parameters (:mod:`healthcheck.measure.start_state`).
 """
@@ -31,6 +32,18 @@ from healthcheck.integrations.script.call_stack import callers
 #: ``ddp_timeout`` changes no collective, only how long one waits.
 NOT_COMPARED = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_token", "ddp_find_unused_parameters",
                           "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout", "resume_from_checkpoint"})
+
+#: Fields that change only what a rank prints or reports, or how fast it reads: scripts set them per rank on purpose
+#: (``report_to="wandb" if local_rank == 0 else "none"``, ``disable_tqdm=local_rank != 0``, a log level per rank,
+#: DataLoader workers per node's cores), and a clean run of such a script failed as ``trainer.report_to differs``
+#: (exit 1). None of them runs a collective or touches a batch, a loss or an update: every reporting callback of
+#: transformers acts on the main process alone, the memory tracker only reads, and what the DataLoader yields is
+#: judged by the data audit. Logging steps stay compared (the Trainer gathers the loss from every rank at each), and
+#: so do saving and ``push_to_hub`` (a save can gather a sharded model).
+PRESENTATION_ONLY = frozenset({
+    "disable_tqdm", "report_to", "log_level", "log_level_replica", "log_on_each_node", "skip_memory_metrics", "project",
+    "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "dataloader_num_workers", "dataloader_pin_memory",
+    "dataloader_prefetch_factor"})
 
 #: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
 _LONGEST = 160
@@ -52,7 +65,7 @@ def trainer_args_facts() -> dict[str, str]:
     except Exception:  # noqa: BLE001 - an argument class of another transformers: no facts rather than no probe
         return {}
     facts = {f"trainer.{name}": _text(value) for name, value in sorted(fields.items())
-             if name not in NOT_COMPARED and not name.endswith("_dir")}
+             if name not in NOT_COMPARED and name not in PRESENTATION_ONLY and not name.endswith("_dir")}
     step = getattr(getattr(trainer, "state", None), "global_step", None)
     if step is not None:
         facts["trainer.state.global_step"] = str(step)

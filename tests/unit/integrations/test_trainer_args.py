@@ -26,3 +26,28 @@ def test_the_trainer_below_the_call_gives_its_arguments_but_not_its_folders(tmp_
     # The checkpoint's path names a node's files; the step the Trainer resumed at is compared instead.
     assert "trainer.resume_from_checkpoint" not in facts and facts["trainer.state.global_step"] == "0"
     assert trainer_args_facts() == {}  # no Trainer below this test
+
+
+def test_what_only_the_main_process_shows_or_reports_is_no_fact(tmp_path):
+    # report_to="wandb" if local_rank == 0 else "none", disable_tqdm=local_rank != 0, a log level per rank: common
+    # habits of clean scripts, which changed no batch, loss or update and failed the probe (exit 1).
+    from transformers import Trainer, TrainingArguments
+
+    from healthcheck.integrations.script.trainer_args import PRESENTATION_ONLY
+
+    class Probed(Trainer):
+        def read(self):
+            return trainer_args_facts()
+
+    def facts(**kwargs):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+        return Probed(model=torch.nn.Linear(2, 2), args=args).read()
+
+    main = facts(disable_tqdm=False, log_level="info", skip_memory_metrics=False, dataloader_num_workers=2)
+    replica = facts(disable_tqdm=True, log_level="warning", skip_memory_metrics=True, dataloader_num_workers=0)
+    assert main == replica and not {f"trainer.{name}" for name in PRESENTATION_ONLY} & set(main), sorted(main)
+    # What the loop does with the loss stays: the Trainer gathers it from every rank at each logging step.
+    assert facts(logging_steps=1)["trainer.logging_steps"] != facts(logging_steps=2)["trainer.logging_steps"]
+    assert {"trainer.logging_steps", "trainer.save_strategy", "trainer.push_to_hub", "trainer.dataloader_drop_last"} <= set(main)
+    known = set(TrainingArguments(output_dir=str(tmp_path)).to_dict())
+    assert PRESENTATION_ONLY <= known, PRESENTATION_ONLY - known  # a field transformers renamed would be compared again
