@@ -163,11 +163,13 @@ NODE_FILE_SUFFIXES = ("_DIR", "_PATH", "_FILE", "_FILENAME", "_HOME")
 NODE_NETWORK_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_HOSTID", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME",
                     "HCCL_IF_BASE_PORT")
 #: Diagnostics that change what a rank logs or dumps, never what it computes or which collectives it calls: a node
-#: being debugged runs with ``NCCL_DEBUG=INFO`` or a flight recorder while the others do not. (``TORCH_DISTRIBUTED_DEBUG``
-#: is compared: at ``DETAIL`` it checks each collective's shapes with collectives of its own.)
+#: being debugged runs with ``NCCL_DEBUG=INFO`` or a flight recorder while the others do not, or on Ascend with CANN's
+#: log level (``ASCEND_GLOBAL_LOG_LEVEL``, HCCL's logs included) turned up. (``TORCH_DISTRIBUTED_DEBUG`` is compared: at
+#: ``DETAIL`` it checks each collective's shapes with collectives of its own.)
 DIAGNOSTIC_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES",
                   "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DESYNC_DEBUG",
-                  "TORCHDYNAMO_VERBOSE", "TRITON_PRINT_AUTOTUNING")
+                  "TORCHDYNAMO_VERBOSE", "TRITON_PRINT_AUTOTUNING", "ASCEND_GLOBAL_LOG_LEVEL", "ASCEND_MODULE_LOG_LEVEL",
+                  "ASCEND_SLOG_PRINT_TO_STDOUT", "ASCEND_GLOBAL_EVENT_ENABLE")
 
 
 def compared_variable(name: str) -> bool:
@@ -177,6 +179,8 @@ def compared_variable(name: str) -> bool:
     [True, False, False, False]
     >>> [compared_variable(name) for name in ("NCCL_PROTO", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")]
     [True, False, False, True]
+    >>> [compared_variable(name) for name in ("ASCEND_GLOBAL_LOG_LEVEL", "HCCL_ALGO")]
+    [False, True]
     """
     return (name not in PER_RANK_ENV and name not in NODE_NETWORK_ENV and name not in DIAGNOSTIC_ENV
             and not name.endswith(NODE_FILE_SUFFIXES))

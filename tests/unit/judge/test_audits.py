@@ -325,7 +325,7 @@ def test_variables_naming_a_nodes_files_network_or_diagnostics_are_not_compared_
     # nodes whose NICs are named differently, and one node being debugged
     for rank in (2, 3):
         ranks[rank]["env"].update({"NCCL_SOCKET_IFNAME": "ens5", "NCCL_IB_HCA": "mlx5_2", "NCCL_DEBUG": "INFO",
-                                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+                                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "ASCEND_GLOBAL_LOG_LEVEL": "1"})
     assert environment_audit(ranks).passed
     ranks[2]["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"
     outcome = environment_audit(ranks)
