@@ -51,9 +51,10 @@ def test_what_only_the_main_process_shows_or_reports_is_no_fact(tmp_path):
     assert {"trainer.logging_steps", "trainer.save_strategy", "trainer.push_to_hub", "trainer.dataloader_drop_last"} <= set(main)
     import warnings
 
-    from trl import SFTConfig
+    from trl import GRPOConfig, SFTConfig
 
     with warnings.catch_warnings():  # TRL's own default, gradient_checkpointing, is deprecated by transformers 5
         warnings.simplefilter("ignore", FutureWarning)
-        known = set(SFTConfig(output_dir=str(tmp_path), use_cpu=True).to_dict())  # TrainingArguments' and TRL's own
+        known = {name for config in (SFTConfig, GRPOConfig)  # TrainingArguments' fields and TRL's own
+                 for name in config(output_dir=str(tmp_path), use_cpu=True).to_dict()}
     assert PRESENTATION_ONLY <= known, PRESENTATION_ONLY - known  # a field transformers renamed would be compared again
