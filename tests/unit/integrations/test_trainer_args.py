@@ -31,7 +31,10 @@ def test_the_trainer_below_the_call_gives_its_arguments_but_not_its_folders(tmp_
 def test_what_only_the_main_process_shows_or_reports_is_no_fact(tmp_path):
     # report_to="wandb" if local_rank == 0 else "none", disable_tqdm=local_rank != 0, a log level per rank: common
     # habits of clean scripts, which changed no batch, loss or update and failed the probe (exit 1).
+    import warnings
+
     from transformers import Trainer, TrainingArguments
+    from trl import GRPOConfig, SFTConfig
 
     from healthcheck.integrations.script.trainer_args import PRESENTATION_ONLY
 
@@ -49,12 +52,8 @@ def test_what_only_the_main_process_shows_or_reports_is_no_fact(tmp_path):
     # What the loop does with the loss stays: the Trainer gathers it from every rank at each logging step.
     assert facts(logging_steps=1)["trainer.logging_steps"] != facts(logging_steps=2)["trainer.logging_steps"]
     assert {"trainer.logging_steps", "trainer.save_strategy", "trainer.push_to_hub", "trainer.dataloader_drop_last"} <= set(main)
-    import warnings
-
-    from trl import GRPOConfig, SFTConfig
-
     with warnings.catch_warnings():  # TRL's own default, gradient_checkpointing, is deprecated by transformers 5
         warnings.simplefilter("ignore", FutureWarning)
         known = {name for config in (SFTConfig, GRPOConfig)  # TrainingArguments' fields and TRL's own
                  for name in config(output_dir=str(tmp_path), use_cpu=True).to_dict()}
-    assert PRESENTATION_ONLY <= known, PRESENTATION_ONLY - known  # a field transformers renamed would be compared again
+    assert PRESENTATION_ONLY <= known, PRESENTATION_ONLY - known  # a field renamed by transformers or TRL would be compared again
