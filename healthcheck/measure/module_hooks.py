@@ -7,8 +7,9 @@ same micro-batch, and it advised draining a sound node. Comparing hooks exactly 
 a script may hook rank 0's model alone, to log activations. So the hooks are recorded per rank at the first
 training forward and used only to explain a replay difference (:func:`healthcheck.judge.replay_audit.replay_audit`).
 
-Hooks are named by their function's qualified name and grouped by module type. healthcheck's own hooks are
-left out.
+Hooks are named by their function's qualified name and grouped by module type. The global ones, which torch runs
+on every module (``register_module_forward_hook`` and its kin, as profilers and debugging tools register them),
+are ``hooks.(every module)``. healthcheck's own hooks are left out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import inspect
 from collections import Counter
 from typing import Any
 
-#: The hook tables of ``nn.Module`` and the kind each holds.
+#: The hook tables of ``nn.Module`` and the kind each holds; each has a global twin, ``_global<table>``, in torch's
+#: module of ``nn.Module``.
 _TABLES = (
     ("_forward_pre_hooks", "forward_pre"),
     ("_forward_hooks", "forward"),
@@ -37,7 +39,13 @@ def module_hooks(model: Any) -> dict[str, str]:
     >>> _ = net[0].register_forward_hook(add_noise)
     >>> module_hooks(net)
     {'hooks.Embedding': '1x forward add_noise'}
+    >>> handle = torch.nn.modules.module.register_module_forward_hook(add_noise)
+    >>> module_hooks(net)["hooks.(every module)"]
+    '1x forward add_noise'
+    >>> handle.remove()
     """
+    import torch
+
     per_type: dict[str, Counter[str]] = {}
     for _, module in model.named_modules():
         for table, kind in _TABLES:
@@ -45,6 +53,11 @@ def module_hooks(model: Any) -> dict[str, str]:
                 name = _name(hook)
                 if name is not None:
                     per_type.setdefault(type(module).__name__, Counter())[f"{kind} {name}"] += 1
+    for table, kind in _TABLES:
+        for hook in (getattr(torch.nn.modules.module, f"_global{table}", None) or {}).values():
+            name = _name(hook)
+            if name is not None:
+                per_type.setdefault("(every module)", Counter())[f"{kind} {name}"] += 1
     return {
         f"hooks.{type_name}": ", ".join(f"{count}x {hook}" for hook, count in sorted(counts.items()))
         for type_name, counts in sorted(per_type.items())

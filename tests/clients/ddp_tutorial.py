@@ -32,6 +32,8 @@ square of its logits' log-partition, a term a per-node config switches on).
 ``LlamaAttention.forward`` replaced, as FastChat's and LongLoRA's patches replace it), as a launch path that applies
 it on some nodes only would. ``rope-patch-rank=R``: rank R replaces transformers' module-level
 ``apply_rotary_pos_emb`` instead (``attention_patch.apply_rope``, as Liger's ``rope=True`` does).
+``global-hook-rank=R``: rank R registers a forward hook for every module (``register_module_forward_hook``), as a node's
+activation checker would, that hands on each embedding output rounded to bfloat16 instead of the original.
 Several bugs are separated by commas: ``reseed-rank=1,dropout-rank=3``.
 
 ``--look-first-rank R`` is no bug, a habit the probe must pass: rank R takes the first batch of its training
@@ -252,7 +254,8 @@ def main():
                     help="none, sampler-seed-per-rank, reseed-rank=R, loss-x2-rank=R, eval-pass-rank=R, dropout-rank=R, "
                          "label-smoothing-rank=R, norm-eps-rank=R, batch-size-rank=R, stale-data-rank=R, no-eos-rank=R, "
                          "no-zero-grad-rank=R, stream-unsharded, stream-shard-rank=R, stream-no-worker-split, "
-                         "matmul-medium-rank=R, slow-rank=R, loop-shift-rank=R, input-noise-rank=R, no-mask-rank=R or z-loss-rank=R; "
+                         "matmul-medium-rank=R, slow-rank=R, loop-shift-rank=R, input-noise-rank=R, no-mask-rank=R, z-loss-rank=R "
+                         "or global-hook-rank=R; "
                          "several separated by commas")
     ap.add_argument("--look-first-rank", type=int, default=-1, help="this rank prints a sanity loss before training")
     ap.add_argument("--look-first-through-ddp", action="store_true", help="that sanity loss on the DDP model, under no_grad")
@@ -291,6 +294,11 @@ def main():
         import attention_patch
 
         attention_patch.apply_rope()
+    if faulted("global-hook-rank"):
+        def check_bf16(module, inputs, output):  # what bf16 would keep of the embeddings, kept by mistake
+            return output.to(torch.bfloat16).to(output.dtype) if isinstance(module, torch.nn.Embedding) else None
+
+        torch.nn.modules.module.register_module_forward_hook(check_bf16)
     tok = AutoTokenizer.from_pretrained(args.model)
     overrides = {"attention_dropout": 0.1} if faulted("dropout-rank") else {}
     if faulted("norm-eps-rank"):
