@@ -117,12 +117,20 @@ def _top_level_names(module: Any) -> list[str]:
     path = getattr(module, "__file__", None)
     if module is None or module.__name__ == "__main__" or not isinstance(path, str) or not path.endswith(".py"):
         return []
+    return list(_names_in_source(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _names_in_source(path: str) -> tuple[str, ...]:
+    """The top-level names of the source file at ``path``, read once: the facts are read before every forward until
+    one is backwarded (an evaluation pass first reads them at each batch), and reading and scanning these files was
+    nearly all of that read's time; what the names hold now is read each time."""
     try:
         with open(path, encoding="utf-8", errors="replace") as source:
             text = source.read()
     except OSError:
-        return []
-    return list(dict.fromkeys(a or b for a, b in _TOP_LEVEL_NAME.findall(text)))
+        return ()
+    return tuple(dict.fromkeys(a or b for a, b in _TOP_LEVEL_NAME.findall(text)))
 
 
 def attention_function(kernel: str) -> str | None:
