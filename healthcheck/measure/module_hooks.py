@@ -46,18 +46,16 @@ def module_hooks(model: Any) -> dict[str, str]:
     """
     import torch
 
+    # (the name hooks are grouped under, what holds the tables, the tables' prefix there)
+    owners = [(type(module).__name__, module, "") for _, module in model.named_modules()]
+    owners.append(("(every module)", torch.nn.modules.module, "_global"))
     per_type: dict[str, Counter[str]] = {}
-    for _, module in model.named_modules():
+    for type_name, owner, prefix in owners:
         for table, kind in _TABLES:
-            for hook in (getattr(module, table, None) or {}).values():
+            for hook in (getattr(owner, prefix + table, None) or {}).values():
                 name = _name(hook)
                 if name is not None:
-                    per_type.setdefault(type(module).__name__, Counter())[f"{kind} {name}"] += 1
-    for table, kind in _TABLES:
-        for hook in (getattr(torch.nn.modules.module, f"_global{table}", None) or {}).values():
-            name = _name(hook)
-            if name is not None:
-                per_type.setdefault("(every module)", Counter())[f"{kind} {name}"] += 1
+                    per_type.setdefault(type_name, Counter())[f"{kind} {name}"] += 1
     return {
         f"hooks.{type_name}": ", ".join(f"{count}x {hook}" for hook, count in sorted(counts.items()))
         for type_name, counts in sorted(per_type.items())
