@@ -252,15 +252,15 @@ def test_a_bad_device_is_named_by_the_replay(client, rank, script_args, tiny_lla
 
 def test_a_rank_with_a_global_module_hook_is_sent_to_check_it_not_to_drain_its_node(tiny_llama, tmp_path):
     # A forward hook registered for every module (register_module_forward_hook), as a node's activation checker would,
-    # rounds rank 3's embeddings to bfloat16. No setting differs and the model's own modules carry no hook: the replay
+    # rounds rank 1's embeddings to bfloat16. No setting differs and the model's own modules carry no hook: the replay
     # saw another gradient and advised draining a sound node.
     out = tmp_path / "run"
     done = run_cli(*probe_args("ddp_tutorial", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
-                               script_args=("--bug", "global-hook-rank=3")))
+                               script_args=("--bug", "global-hook-rank=1")))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    assert failed_ranks(out) == {"audit.replay": [3]}, failed_ranks(out)
+    assert failed_ranks(out) == {"audit.replay": [1]}, failed_ranks(out)
     message = json.loads((out / "result.json").read_text())["audits"]["replay"]["message"]
-    assert "hooks.(every module) differs: ranks 0-2 <unset>; rank 3 1x forward main.<locals>.check_bf16" in message, message
+    assert "hooks.(every module) differs: ranks 0, 2-3 <unset>; rank 1 1x forward main.<locals>.check_bf16" in message, message
     assert message.endswith("check them before suspecting the device") and "drain the node" not in message, message
 
 
