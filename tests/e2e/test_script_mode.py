@@ -267,11 +267,15 @@ def test_a_rank_with_a_global_module_hook_is_sent_to_check_it_not_to_drain_its_n
 def test_a_trainer_whose_main_process_alone_shows_progress_passes(tiny_llama, tmp_path):
     # disable_tqdm=local_rank != 0 and a log level per rank, as many scripts set them (report_to="wandb" on the main
     # process alone too): nothing the ranks compute differs, and the probe failed as trainer.disable_tqdm differs.
+    # Rank 2's node has the cores for persistent DataLoader workers (they read the same batches): that failed too.
     out = tmp_path / "run"
-    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2, script_args=("--main-reports",)))
+    workers = ("--override", "2:dataloader_num_workers=2", "--override", "2:dataloader_persistent_workers=True")
+    done = run_cli(*probe_args("hf_trainer", out, tiny_llama, tmp_path / "loss.jsonl", steps=2,
+                               script_args=("--main-reports", *workers)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     facts = json.loads((out / "result.json").read_text())["audits"]["environment"]["facts"]
     assert facts["trainer.logging_steps"] == "1" and "trainer.disable_tqdm" not in facts and "trainer.log_level" not in facts
+    assert "trainer.dataloader_persistent_workers" not in facts
 
 
 def test_a_trainer_rank_with_neftune_is_named_by_its_argument_and_not_sent_to_be_drained(tiny_llama, tmp_path):

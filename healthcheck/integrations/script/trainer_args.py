@@ -35,18 +35,18 @@ NOT_COMPARED = frozenset({"run_name", "local_rank", "hub_token", "push_to_hub_to
 
 #: Fields that change only what a rank prints or reports, or how fast it reads: scripts set them per rank on purpose
 #: (``report_to="wandb" if local_rank == 0 else "none"``, ``disable_tqdm=local_rank != 0``, a log level per rank,
-#: DataLoader workers per node's cores, TRL's ``dataset_num_proc``; GRPO prints and logs its completions from the main
-#: process alone, after gathering them on every rank whatever these say), and a clean Trainer with
-#: ``disable_tqdm=local_rank != 0`` failed as ``trainer.disable_tqdm differs`` (exit 1). None of them runs a collective
-#: or touches a batch, a loss or an update: every reporting callback of transformers acts on the main process alone,
-#: the memory tracker only reads, TRL tokenizes alike with any number of processes, and what the DataLoader yields is
-#: judged by the data audit. Logging steps stay compared (the Trainer gathers the loss from every rank at each), and
-#: so do saving and ``push_to_hub`` (a save can gather a sharded model).
+#: DataLoader workers per node's cores, whether they persist and how they start, TRL's ``dataset_num_proc``; GRPO
+#: prints and logs its completions from the main process alone, after gathering them on every rank whatever these
+#: say), and a clean Trainer with ``disable_tqdm=local_rank != 0`` failed as ``trainer.disable_tqdm differs`` (exit 1).
+#: None of them runs a collective or touches a batch, a loss or an update: every reporting callback of transformers
+#: acts on the main process alone, the memory tracker only reads, TRL tokenizes alike with any number of processes,
+#: and what the DataLoader yields is judged by the data audit. Logging steps stay compared (the Trainer gathers the
+#: loss from every rank at each), and so do saving and ``push_to_hub`` (a save can gather a sharded model).
 PRESENTATION_ONLY = frozenset({
     "disable_tqdm", "report_to", "log_level", "log_level_replica", "log_on_each_node", "skip_memory_metrics", "project",
     "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "dataloader_num_workers", "dataloader_pin_memory",
-    "dataloader_prefetch_factor", "dataset_num_proc", "log_completions", "num_completions_to_print", "log_unique_prompts",
-    "log_completions_hub_repo"})
+    "dataloader_prefetch_factor", "dataloader_persistent_workers", "dataloader_multiprocessing_context",
+    "dataset_num_proc", "log_completions", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"})
 
 #: A value's text kept whole up to this many characters; a longer one (a config dict) ends in a digest of the rest.
 _LONGEST = 160
