@@ -43,6 +43,10 @@ an example it picks with ``random.choice`` (python's generator, which ``--set-se
 validation loss on rank 0 computes it: that forward broadcasts the model's buffers, and torch pairs the broadcast
 with the others' first training forward's.
 
+``--compile-step BACKEND`` compiles each optimizer's step as PyTorch's compiled-optimizer recipe writes it (a
+function calling ``opt.step()`` under ``torch.compile(fullgraph=False)``; the recipe's backend is ``inductor``).
+``--clip MAX_NORM`` clips the gradient norm before each step, inside that compiled function with ``--compile-step``.
+
 ``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
 
 ``--stream`` reads the data as a stream instead: an ``IterableDataset`` that keeps every ``WORLD_SIZE``-th sample
@@ -156,6 +160,7 @@ class Trainer:
         self.model = DDP(model)  # CPU: no device_ids
         self.train_data = train_data
         self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        self.steps = [optimizer.step for optimizer in self.optimizers]
         self.max_steps = max_steps
         self.log_path = log_path
         self.step = 0
@@ -189,8 +194,8 @@ class Trainer:
         loss.backward()
         if self.pause_s:
             time.sleep(self.pause_s)
-        for optimizer in self.optimizers:
-            optimizer.step()
+        for step in self.steps:
+            step()
         if self.val_every and (self.step + 1) % self.val_every == 0:
             self.validate(input_ids, attn, labels)
         # global token-weighted mean for logging
@@ -237,6 +242,19 @@ class Trainer:
             epoch += 1
 
 
+def clipped_step(optimizer, max_norm, backend=None):
+    """``optimizer.step``, after clipping its parameters' gradient norm to ``max_norm`` (when given), compiled with
+    ``backend`` (when given) as PyTorch's compiled-optimizer recipe writes it: ``@torch.compile(fullgraph=False) def
+    fn(): opt.step()``."""
+
+    def fn():
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
+        optimizer.step()
+
+    return torch.compile(fn, fullgraph=False, backend=backend) if backend else fn
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -267,6 +285,9 @@ def main():
     ap.add_argument("--loss-chunks", type=int, default=1,
                     help="the cross-entropy over this many slices of the sequence, summed (torchtune's chunked loss)")
     ap.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices and AdamW for the rest, as nanochat")
+    ap.add_argument("--compile-step", default=None, metavar="BACKEND",
+                    help="each optimizer's step compiled with this backend, as PyTorch's compiled-optimizer recipe")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this before each step (in it)")
     args = ap.parse_args()
 
     ddp_setup()
@@ -356,6 +377,8 @@ def main():
     trainer = Trainer(model, loader, opt, args.steps, args.log, loss_scale, pause_s, smoothing,
                       zero_grad=not faulted("no-zero-grad-rank"), loss_chunks=args.loss_chunks, val_every=args.val_every,
                       loop_bugs=[bug for bug in ("loop-shift", "input-noise", "no-mask", "z-loss") if faulted(f"{bug}-rank")])
+    if args.compile_step or args.clip:
+        trainer.steps = [clipped_step(optimizer, args.clip, args.compile_step) for optimizer in trainer.optimizers]
     if rank == args.look_first_rank:
         trainer.look_first(args.look_first_through_ddp)
     trainer.train()

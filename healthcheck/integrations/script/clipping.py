@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from healthcheck.integrations.eager import eager
+
 #: Function name -> the keyword of its clipping threshold (also its first argument after the parameters).
 CLIP_FUNCTIONS = {"clip_grad_norm_": "max_norm", "clip_grads_with_norm_": "max_norm", "clip_grad_value_": "clip_value"}
 #: The first call of a clip written in two (it takes the gradients, not the parameters); torch 2.6 and later.
@@ -115,6 +117,11 @@ def patch(patches: Any, on_clip: Callable[[str, list[Any], tuple, dict], None]) 
     ``torch.nn.utils.get_total_norm`` (torch's own ``clip_grad_norm_`` calls its private twin, not this one)."""
     import torch.nn.utils as utils
     from torch.nn.utils import clip_grad
+
+    # Eager: a script that compiles its clipping with its optimizer step (PyTorch's compiled-optimizer recipe) has
+    # dynamo trace this wrapper, and traced, on_clip saw fake tensors, matched none of the model's gradients and
+    # recorded no clip (`clip` read `none` on every rank). The clip itself stays in the script's graph.
+    on_clip = eager(on_clip)
 
     def wrap(name: str) -> Callable[[Any], Any]:
         def make(original: Any) -> Any:

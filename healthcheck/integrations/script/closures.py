@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from healthcheck.integrations.eager import eager
+
 Hook = Callable[[Any, Any, Any], None]
 
 
@@ -45,10 +47,16 @@ class ClosureSteps:
         self._pending: dict[int, int] = {}  #: per optimizer, deferred pre-steps whose closure has not returned yet
 
     def register(self) -> list[Any]:
-        """Install both as torch's global optimizer step hooks; their handles."""
+        """Install both as torch's global optimizer step hooks; their handles.
+
+        Run eagerly (:func:`~healthcheck.integrations.eager.eager`): a script that compiles its optimizer step, as
+        PyTorch's compiled-optimizer recipe does (``torch.compile`` of a function calling ``opt.step()``), has dynamo
+        trace ``step()`` and the global hooks in it, and traced, the session's step work (loss sums read as floats,
+        hashes, its collectives on the process group) broke the graph and then crashed every rank at step 0.
+        """
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        return [register_optimizer_step_pre_hook(self.pre_hook), register_optimizer_step_post_hook(self.post_hook)]
+        return [register_optimizer_step_pre_hook(eager(self.pre_hook)), register_optimizer_step_post_hook(eager(self.post_hook))]
 
     def pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> Optional[tuple[tuple, dict]]:
         # torch hands the hooks step()'s arguments with the optimizer first: (optimizer, closure) when positional.

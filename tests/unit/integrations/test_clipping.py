@@ -68,3 +68,23 @@ def test_a_norm_only_logged_is_no_clip_and_another_models_norm_is_not_read():
     assert not recorder.observe("get_total_norm", [p.grad for p in other.parameters()], (1.0,), {})
     assert recorder.observe("get_total_norm", [p.grad for p in model.parameters()], (), {})  # logged, never clipped
     assert recorder.facts() == {"clip": "none"}
+
+
+def test_a_clip_compiled_with_the_optimizer_step_is_recorded_and_clips_as_the_original():
+    # PyTorch's compiled-optimizer recipe with the clip in the compiled function: traced, the recorder saw fake
+    # tensors, matched no parameter of the model, and the clip read `none`.
+    model, reference = _model_with_grads(), _model_with_grads()
+    recorder = ClipRecorder(lambda: {id(p) for p in model.parameters()})
+    patches = Patches()
+    clipping.patch(patches, recorder.observe)
+    torch._dynamo.reset()
+    try:
+        step = torch.compile(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), backend="eager")
+        total = step()
+    finally:
+        patches.restore()
+        torch._dynamo.reset()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    assert torch.allclose(total, expected)
+    assert all(torch.allclose(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert recorder.facts() == {"clip": "clip_grad_norm_ max_norm=0.5 norm_type=2"}, recorder.facts()

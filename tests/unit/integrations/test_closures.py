@@ -74,3 +74,32 @@ def test_an_optimizer_that_never_calls_its_closure_still_pairs_every_post_with_a
     log, param = events
     Ignores([param], lr=0.1).step(_closure(param, log))
     assert [event[0] for event in log] == ["pre", "post"], log
+
+
+def test_a_compiled_optimizer_step_runs_the_hooks_eagerly():
+    # PyTorch's compiled-optimizer recipe compiles a function that calls opt.step(): dynamo traced the global step
+    # hooks with it, and the session's step work (floats read from tensors, hashes, collectives on the process
+    # group) broke the graph and then crashed every rank at step 0 (`healthcheck probe --script` of such a loop).
+    seen: list[tuple[str, bool, float]] = []
+    param = torch.nn.Parameter(torch.ones(2))
+
+    def record(name):
+        return lambda opt, args, kwargs: seen.append((name, torch.compiler.is_compiling(), float(param.sum())))
+
+    handles = ClosureSteps(record("pre"), record("post")).register()
+    sgd = torch.optim.SGD([param], lr=0.1)
+
+    @torch.compile(fullgraph=False, backend="eager")
+    def step():
+        sgd.step()
+
+    torch._dynamo.reset()
+    try:
+        param.grad = torch.full((2,), 3.0)
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch._dynamo.reset()
+    assert seen == [("pre", False, 2.0), ("post", False, pytest.approx(1.4))], seen
+    assert param.tolist() == [pytest.approx(0.7)] * 2
