@@ -22,7 +22,7 @@ says why; a number is never silently rescaled. No host sync happens until :meth:
 
 Outside a probe, :func:`record_loss` does nothing, so a script may call it unconditionally.
 
-A ``torch.compile``'d model: the hooks run eagerly (:mod:`healthcheck.integrations.eager`), so the model's
+A ``torch.compile``'d model: the hooks run eagerly (:mod:`healthcheck.measure.eager`), so the model's
 ``loss`` output is seen. A cross-entropy inside the compiled graph is not: dynamo takes the patched
 ``F.cross_entropy`` for torch's own (its rules look the function up by name), evaluates it once on fake
 tensors while tracing, and the compiled code never calls it again. Those fake results are ignored, and a
@@ -37,7 +37,6 @@ import math
 from typing import Any, Iterator, Optional
 
 from healthcheck.integrations.cross_entropy_calls import resolve_calls
-from healthcheck.integrations.eager import eager
 from healthcheck.integrations.loss_graph import LossGraph
 from healthcheck.integrations.loss_hooks import (
     ACTIVE,
@@ -51,6 +50,7 @@ from healthcheck.integrations.loss_hooks import (
 )
 from healthcheck.integrations.loss_weight import WeightProbe, step_weight
 from healthcheck.integrations.target_shift import TargetShifts, token_ids
+from healthcheck.measure.eager import eager
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 
 from healthcheck.integrations.script.patches import Patches
 from healthcheck.judge.exact_audits import NOT_MEASURED
+from healthcheck.measure.eager import eager
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: The key that marks a model output's node (in ``Node.metadata``).
@@ -109,9 +110,11 @@ class LossGraph:
         """Watch ``torch.autograd.backward`` until :meth:`facts` is read."""
         import torch
 
+        walk = eager(self._walk)  # in a script's compiled step, on the real graph: dynamo had traced it on fake tensors
+
         def wrap(original: Any) -> Any:
             def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-                self._walk(tensors)
+                walk(tensors)
                 return original(tensors, *args, **kwargs)
 
             return backward

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
+from healthcheck.measure.eager import eager
+
 
 class WeightProbe:
     """Watches one captured loss tensor for the gradient the backward hands it.
@@ -52,7 +54,7 @@ class WeightProbe:
         self.counted = counted  #: per-token X: which of its entries are counted tokens (None: all)
         self.grad: Optional[Any] = None
         if tensor.requires_grad:
-            tensor.register_hook(self._seen)
+            tensor.register_hook(eager(self._seen))
 
     def _seen(self, grad: Any) -> None:
         # None: the backward passed through X without a gradient for it. DDP with find_unused_parameters (what the

@@ -48,6 +48,7 @@ from typing import Any
 
 from healthcheck.measure import distributed, exact_rows, host_pass, local_grads, runqueue, step_gather
 from healthcheck.measure.bucket_plans import BucketPlans
+from healthcheck.measure.eager import eager
 from healthcheck.measure.exact_pass import stream_local_gradients
 from healthcheck.measure.monitor_core import DIRECTIONS, ConsistencyMonitor, sum_partials
 from healthcheck.measure.precision import sqnorm_fp32
@@ -153,7 +154,7 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
         grads = self.gradient_source == "grads"  # or "comm_hook"; the same on every rank (local_grads.py)
         self._local_pass = local_grads.LocalGradientPass(self, model, k=self._plans.k, seed=seed) if grads else None
         if not grads:
-            model.register_comm_hook(state=self, hook=_consistency_hook)
+            model.register_comm_hook(state=self, hook=eager(_consistency_hook))  # a compiled backward calls it too
         self._model: Any = model  # None once closed
         # DDP's forward broadcasts the buffers from rank 0, a wait inside the step (wait_clock.py); private: may be absent.
         if callable(getattr(model, "_sync_buffers", None)):
@@ -412,9 +413,8 @@ class WorkerConsistencyMonitor(ConsistencyMonitor):
 def _consistency_hook(state, bucket):  # noqa: ANN001, ANN202
     """The function DDP calls per bucket; ``state`` is the monitor.
 
-    Left unannotated on purpose: DDP inspects the signature and rejects any annotation other
-    than the real ``dist.GradBucket`` / ``Future[Tensor]`` objects, which the postponed
-    (string) annotations of this module are not.
+    Left unannotated on purpose: DDP inspects the signature and rejects any annotation other than the real
+    ``dist.GradBucket`` / ``Future[Tensor]`` objects, which the postponed (string) annotations of this module are not.
     """
     return state._reduce_bucket(bucket)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from healthcheck.measure.eager import eager
+
 
 def rank_slice(numel: int, rank: int, world: int) -> tuple[int, int]:
     """Rank ``rank``'s ``[lo, hi)`` of a bucket of ``numel`` elements split ``world`` ways (the last may be short or
@@ -48,11 +50,11 @@ def after_ddp_finalize(fn: Callable[[], None]) -> None:
 
     def queue_next() -> None:
         try:
-            engine.queue_callback(fn)
+            engine.queue_callback(eager(fn))
         except RuntimeError:  # pragma: no cover - the engine runs callbacks inside its backward
             fn()
 
-    engine.queue_callback(queue_next)
+    engine.queue_callback(eager(queue_next))
 
 
 class DeferredSquares:

@@ -46,6 +46,9 @@ with the others' first training forward's.
 ``--compile-step BACKEND`` compiles each optimizer's step as PyTorch's compiled-optimizer recipe writes it (a
 function calling ``opt.step()`` under ``torch.compile(fullgraph=False)``; the recipe's backend is ``inductor``).
 ``--clip MAX_NORM`` clips the gradient norm before each step, inside that compiled function with ``--compile-step``.
+``--compile-batch BACKEND`` compiles each batch's whole function (forward, loss, backward, clip and step) as PyTorch's
+compiled-autograd tutorial compiles its ``train``: dynamo breaks its graph at the backward and runs DDP's
+communication hook, and every other hook of the backward, from inside that compiled function.
 
 ``--set-seed`` seeds with ``transformers.set_seed`` (python, numpy and torch) instead of ``torch.manual_seed``.
 
@@ -288,6 +291,8 @@ def main():
     ap.add_argument("--compile-step", default=None, metavar="BACKEND",
                     help="each optimizer's step compiled with this backend, as PyTorch's compiled-optimizer recipe")
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this before each step (in it)")
+    ap.add_argument("--compile-batch", default=None, metavar="BACKEND",
+                    help="each batch's forward, loss, backward and step compiled as one function with this backend")
     args = ap.parse_args()
 
     ddp_setup()
@@ -379,6 +384,8 @@ def main():
                       loop_bugs=[bug for bug in ("loop-shift", "input-noise", "no-mask", "z-loss") if faulted(f"{bug}-rank")])
     if args.compile_step or args.clip:
         trainer.steps = [clipped_step(optimizer, args.clip, args.compile_step) for optimizer in trainer.optimizers]
+    if args.compile_batch:  # the compiled-autograd tutorial's `@torch.compile def train(...)`, backward included
+        trainer._run_batch = torch.compile(trainer._run_batch, backend=args.compile_batch)
     if rank == args.look_first_rank:
         trainer.look_first(args.look_first_through_ddp)
     trainer.train()

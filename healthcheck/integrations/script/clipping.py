@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 
 #: Function name -> the keyword of its clipping threshold (also its first argument after the parameters).
 CLIP_FUNCTIONS = {"clip_grad_norm_": "max_norm", "clip_grads_with_norm_": "max_norm", "clip_grad_value_": "clip_value"}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 
 Hook = Callable[[Any, Any, Any], None]
 
@@ -49,7 +49,7 @@ class ClosureSteps:
     def register(self) -> list[Any]:
         """Install both as torch's global optimizer step hooks; their handles.
 
-        Run eagerly (:func:`~healthcheck.integrations.eager.eager`): a script that compiles its optimizer step, as
+        Run eagerly (:func:`~healthcheck.measure.eager.eager`): a script that compiles its optimizer step, as
         PyTorch's compiled-optimizer recipe does (``torch.compile`` of a function calling ``opt.step()``), has dynamo
         trace ``step()`` and the global hooks in it, and traced, the session's step work (loss sums read as floats,
         hashes, its collectives on the process group) broke the graph and then crashed every rank at step 0.

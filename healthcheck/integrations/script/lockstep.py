@@ -28,9 +28,9 @@ import inspect
 import sys
 from typing import Any, Callable, Optional
 
-from healthcheck.integrations.eager import eager
 from healthcheck.integrations.script.shard_agreement import ranks_agree
 from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.measure.eager import eager
 
 #: The environment fact that says where a rank is before its first update (:func:`lockstep_fact`).
 LOCKSTEP = "train.before_first_update"

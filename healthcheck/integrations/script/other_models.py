@@ -20,7 +20,7 @@ import weakref
 from collections import Counter
 from typing import Any, Optional
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 from healthcheck.measure.start_state import parameters_fact
 
 

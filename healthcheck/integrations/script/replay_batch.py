@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: Keys under which the positional arguments of the forward are kept (``__arg0``, ``__arg1``, ...).

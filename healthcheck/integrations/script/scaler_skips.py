@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 from healthcheck.ranks import ranks_phrase
 
 #: Whole skips in a row, after the probe's first step, that stop it. A healthy run skips while its scale falls to what

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from healthcheck.errors import InvalidInput
-from healthcheck.integrations.eager import eager
 from healthcheck.integrations.script.lockstep import Lockstep
 from healthcheck.integrations.script.shard_agreement import check_agreement
 from healthcheck.judge.audit_outcome import AuditOutcome
+from healthcheck.measure.eager import eager
 
 
 class ShardedRoot:

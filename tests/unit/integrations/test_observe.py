@@ -135,7 +135,7 @@ def test_a_compiled_model_is_named_however_it_was_compiled(one_rank):
     # The session reads the facts in a pre-hook on DDP's module, run eagerly inside a compiled region.
     from torch.nn.parallel import DistributedDataParallel
 
-    from healthcheck.integrations.eager import eager
+    from healthcheck.measure.eager import eager
 
     def compile_fact(ddp, call):
         seen = []

@@ -28,7 +28,7 @@ def eager(fn: F) -> F:
     >>> eager(sorted)([3, 1, 2])
     [1, 2, 3]
 
-    tests/unit/integrations/test_eager.py counts what a traced hook costs a compiled model.
+    tests/unit/measure/test_eager.py counts what a traced hook costs a compiled model.
     """
     import torch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from healthcheck.integrations.eager import eager
+from healthcheck.measure.eager import eager
 
 KEPT: dict[str, torch.Tensor] = {}
 
