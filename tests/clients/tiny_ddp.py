@@ -13,7 +13,9 @@ half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming 
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
-accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); zero-loss=R (every rank's loss times
+accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); accum-module=K (K micro-batches a
+step, all but the last through the DDP model's ``.module``, which DDP never reduces: the accumulation some repositories
+write instead of no_sync); zero-loss=R (every rank's loss times
 its weight, 0 on rank R, as a per-node loss weight of 0 would: its gradient is zero, its loss is not);
 bucket-view (DDP with gradient_as_bucket_view); spawn (starts its own workers with torch.multiprocessing.spawn);
 zero (torch's ZeroRedundancyOptimizer around SGD, as PyTorch's ZeRO tutorial writes it: each rank steps its own
@@ -111,6 +113,9 @@ def main():
 
                 model.register_comm_hook(None, default_hooks.allreduce_hook)
             forward = model.module if mode == "module-forward" else model
+            if mode == "accum-module":  # accum-module=K: K micro-batches, all but the last through .module (no reduction)
+                for _ in range(int(value) - 1):
+                    torch.nn.functional.mse_loss(model.module(x), y).backward()
             if mode == "accum-sync":  # accum-sync=K: K micro-batches a step, each backward all-reduced (no no_sync)
                 for _ in range(int(value) - 1):
                     torch.nn.functional.mse_loss(forward(x), y).backward()

@@ -183,6 +183,13 @@ def test_accumulation_without_no_sync_is_said_in_the_report(tmp_path):
     assert "note: gradients: the script all-reduces" in (out / "report.md").read_text()
     done, out = probe(tmp_path / "ok", "ok")
     assert json.loads((out / "result.json").read_text())["gradient_note"] is None
+    # The micro-batches before the last through model.module: DDP reduces the last alone, the gradient read is the
+    # rank's own. The note said the script all-reduced each of them, and advised no_sync, until 2026-12-08.
+    done, out = probe(tmp_path / "module", "accum-module=2")
+    result = json.loads((out / "result.json").read_text())
+    assert done.returncode == 0 and result["gradient_note"] is None, result["gradient_note"]
+    facts = result["audits"]["environment"]["facts"]
+    assert (facts["ddp.reductions_in_step_0"], facts["train.forwards_in_step_0"]) == ("1", "2"), facts
 
 
 def test_a_gradient_source_the_scripts_model_cannot_take_is_exit_2(tmp_path):

@@ -77,6 +77,9 @@ class Lockstep:
         self.updated = False
         self._first = False  # the model's first forward was compared
         self._inside: Any = None  # the DDP model whose forward runs, until its wrapped module's forward starts
+        #: The wrapped module's forward now running came through DDP with gradient sync on: its backward all-reduces.
+        #: A call of ``model.module(...)`` does not (DDP never prepared its reducer for it), whatever no_sync says.
+        self.reducing = False
 
     def forward(self, sync: Optional[str]) -> None:
         """A forward of the trained model: ``sync`` "on" or "off" (its backward reduces or not), None without autograd."""
@@ -128,6 +131,7 @@ class Lockstep:
         import torch
 
         ddp, self._inside = self._inside, None
+        self.reducing = ddp is not None and bool(getattr(ddp, "require_backward_grad_sync", False))
         if ddp is not None and torch.is_grad_enabled():
             self.forward("on" if ddp.require_backward_grad_sync else "off")
 

@@ -77,7 +77,7 @@ class ScriptSession:
         self.steps_done, self.complete = 0, False
         self.report: Optional[WorkerReport] = None
         self.seeds = SeedCalls()  #: what the script seeds python's and numpy's generators with (:mod:`.seeds`)
-        self.forwards = TrainingForwards(self._first_forward_facts, lambda: getattr(self.model, "require_backward_grad_sync", False))
+        self.forwards = TrainingForwards(self._first_forward_facts, lambda: self.lockstep.reducing)  # model.module(...): none
         self.updates = UpdateSteps(lambda: self.forwards.backwards)  #: several optimizers, one update (:mod:`.updates`)
         self.skip = PendingSkip(self._skipped_whole)  #: a GradScaler's skip, whole or in part (:mod:`.scaler_skips`)
         self._param_ids: set[int] = set()
