@@ -1,4 +1,4 @@
-"""Run healthcheck's hooks on a script's model eagerly, also when the model is ``torch.compile``'d.
+"""Run healthcheck's hooks and callbacks eagerly, also inside a script's ``torch.compile``'d code.
 
 healthcheck observes a script's training through forward hooks on its model (the loss capture, the
 first-forward facts, the batch kept for the replay audit). When the script compiles its model
@@ -11,6 +11,14 @@ healthcheck's code; with the hooks wrapped in :func:`eager`, none (DDP's own gra
 :func:`eager` makes dynamo stop at the hook and call it as plain Python with the real tensors: the model's
 body stays compiled, and no guard depends on healthcheck. In eager code it costs a few microseconds a
 call, and no import: ``DistributedDataParallel`` and ``fully_shard`` import ``torch._dynamo`` already.
+
+The same holds for every other function healthcheck hands torch to call during a step: the global optimizer step
+hooks, DDP's communication hook, the tensor hooks and queued callbacks of the backward, the clip's recording. A script
+may compile its optimizer step (PyTorch's compiled-optimizer recipe) or its whole training step with the backward
+inside it (as the compiled-autograd tutorial does): dynamo then traced the step hooks with the step, and compiled the
+communication hook the backward ran from inside that function, and both crashed on the process group
+(``UnsafeScriptObjectError``, exit 3 on every rank); a clip recorded while traced saw fake tensors. Measured: 0.38 µs a
+call for the wrapper, against 0.05 µs for a bare call.
 (The patched ``F.cross_entropy`` is another matter: dynamo takes it for torch's own function;
 :mod:`healthcheck.integrations.loss_capture` says what it does about that.)
 """
