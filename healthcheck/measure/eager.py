@@ -9,7 +9,7 @@ of a compiled Llama (``TORCH_LOGS=recompiles,graph_breaks``): 1 recompile and 3 
 healthcheck's code; with the hooks wrapped in :func:`eager`, none (DDP's own graph break remains).
 
 :func:`eager` makes dynamo stop at the hook and call it as plain Python with the real tensors: the model's
-body stays compiled, and no guard depends on healthcheck. In eager code it costs a few microseconds a
+body stays compiled, and no guard depends on healthcheck. In eager code it costs under a microsecond a
 call, and no import: ``DistributedDataParallel`` and ``fully_shard`` import ``torch._dynamo`` already.
 
 The same holds for every other function healthcheck hands torch to call during a step: the global optimizer step
