@@ -13,7 +13,8 @@ half=S: the loss times S); fp16-hook-off=R (the same hook, rank R's sums coming 
 that computes wrong); late-comm-hook (allreduce_hook, registered after the first step);
 module-forward (calls the DDP model's .module, so DDP reduces nothing); compiled (torch.compile(DDP(model)), aot_eager:
 the monitor is made by a pre-hook of the DDP module the compiled one calls);
-accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); accum-module=K (K micro-batches a
+python-reducer (compiled autograd on, and DDP built with torch's Python reducer, ``optimize_ddp="python_reducer"``, as
+compiled autograd needs); accum-sync=K (K micro-batches a step, every backward all-reduced: no no_sync); accum-module=K (K micro-batches a
 step, all but the last through the DDP model's ``.module``, which DDP never reduces: the accumulation some repositories
 write instead of no_sync); zero-loss=R (every rank's loss times
 its weight, 0 on rank R, as a per-node loss weight of 0 would: its gradient is zero, its loss is not);
@@ -67,6 +68,11 @@ def main():
     model = torch.nn.Linear(16, 4)
     dtype = torch.float16 if mode == "half" else torch.float32
     model = model.to(dtype)
+    if mode == "python-reducer":  # what a compiled-autograd setup sets before wrapping: DDP's Python reducer
+        import torch._dynamo as dynamo
+
+        dynamo.config.compiled_autograd = True
+        dynamo.config.optimize_ddp = "python_reducer"
     if mode != "no-ddp":
         model = DDP(model, gradient_as_bucket_view=mode == "bucket-view")
     if mode == "compiled":

@@ -97,6 +97,8 @@ def test_a_loop_inside_join_passes_while_every_rank_has_inputs(tmp_path):
         ("late-comm-hook", "registers its own DDP communication hook after the model's first forward"),
         ("module-forward", "stepped its optimizer before a forward through its DistributedDataParallel model"),
         ("spawn", "starts its own worker processes (torch.multiprocessing.spawn)"),
+        # Compiled autograd's DDP: it crashed inside healthcheck (exit 3, "'tuple' object has no attribute 'buffer'").
+        ("python-reducer", "reduces its gradients with DDP's Python reducer"),
     ],
 )
 def test_a_script_that_cannot_be_probed_is_exit_2_on_one_line(tmp_path, mode, expected):

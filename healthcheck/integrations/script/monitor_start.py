@@ -14,6 +14,16 @@ from healthcheck.config import ProbeConfig
 from healthcheck.config.monitor_settings import monitor_settings
 from healthcheck.errors import InvalidInput
 
+#: Compiled autograd's DDP (``torch._dynamo.config.optimize_ddp = "python_reducer"``, set before the model is wrapped):
+#: it all-reduces each parameter's gradient as soon as the backward accumulates it and hands a communication hook one
+#: parameter at a time, with no bucket; no rank's own gradient is left to read. It crashed inside the monitor (exit 3).
+PYTHON_REDUCER = (
+    "the script reduces its gradients with DDP's Python reducer (torch._dynamo.config.optimize_ddp = \"python_reducer\", "
+    "which compiled autograd needs): it all-reduces each parameter's gradient as the backward accumulates it, so no "
+    "rank's own gradient is left to measure; probe the script with compiled autograd off and optimize_ddp at its "
+    "default (DDP's C++ reducer), which trains the same model"
+)
+
 
 def make_monitor(config: ProbeConfig, model: Any) -> Any:
     """A :class:`~healthcheck.measure.monitor.WorkerConsistencyMonitor` of ``model`` (DDP or an FSDP2 root), built
@@ -21,11 +31,14 @@ def make_monitor(config: ProbeConfig, model: Any) -> Any:
 
     Raises:
         InvalidInput: A metrics setting the script's model cannot take (``local_from="grads"`` with
-            ``gradient_as_bucket_view``; ``"buckets"`` or exact mode where the script registered its own comm hook).
+            ``gradient_as_bucket_view``; ``"buckets"`` or exact mode where the script registered its own comm hook),
+            or a DDP that reduces with torch's Python reducer (:data:`PYTHON_REDUCER`).
     """
     from healthcheck.measure.fsdp_internals import is_fsdp_module
     from healthcheck.measure.monitor import WorkerConsistencyMonitor
 
+    if getattr(model, "_use_python_reducer", False):  # private DDP state; a torch without it has no such reducer
+        raise InvalidInput(PYTHON_REDUCER)
     try:
         return WorkerConsistencyMonitor(model, **monitor_settings(config, fsdp=is_fsdp_module(model)))
     except ValueError as error:
