@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from healthcheck.integrations.script.patches import Patches
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager_partial
 
 IGNORE_INDEX = -100
 
@@ -66,7 +66,7 @@ def when_trained(result: Any, record: Any) -> None:
     ['trained']
     """
     if getattr(result, "requires_grad", False):
-        result.register_hook(eager(lambda grad: record() if grad is not None else None))
+        result.register_hook(eager_partial(lambda grad: record() if grad is not None else None))
 
 
 def patch_cross_entropy() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager_partial
 
 
 class WeightProbe:
@@ -54,7 +54,7 @@ class WeightProbe:
         self.counted = counted  #: per-token X: which of its entries are counted tokens (None: all)
         self.grad: Optional[Any] = None
         if tensor.requires_grad:
-            tensor.register_hook(eager(self._seen))
+            tensor.register_hook(eager_partial(self._seen))
 
     def _seen(self, grad: Any) -> None:
         # None: the backward passed through X without a gradient for it. DDP with find_unused_parameters (what the

@@ -18,13 +18,15 @@ may compile its optimizer step (PyTorch's compiled-optimizer recipe) or its whol
 inside it (as the compiled-autograd tutorial does): dynamo then traced the step hooks with the step, and compiled the
 communication hook the backward ran from inside that function, and both crashed on the process group
 (``UnsafeScriptObjectError``, exit 3 on every rank); a clip recorded while traced saw fake tensors. Measured: 0.38 µs a
-call for the wrapper, against 0.05 µs for a bare call.
+call for the wrapper, against 0.05 µs for a bare call; building one takes ~57 µs, so what is made anew at each forward
+or step is an :func:`eager_partial` (0.22 µs).
 (The patched ``F.cross_entropy`` is another matter: dynamo takes it for torch's own function;
 :mod:`healthcheck.integrations.loss_capture` says what it does about that.)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,3 +43,20 @@ def eager(fn: F) -> F:
     import torch
 
     return torch.compiler.disable(fn, recursive=True)
+
+
+def eager_partial(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``functools.partial(fn, *args)``, run eagerly as :func:`eager` runs ``fn``: for a hook or callback made anew at
+    each forward or step. Building a ``torch.compiler.disable`` wrapper takes ~57 µs on this host, where a partial of
+    one wrapper built once takes well under a microsecond.
+
+    >>> eager_partial(sorted, [3, 1, 2])()
+    [1, 2, 3]
+    """
+    return functools.partial(_call_eagerly(), fn, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _call_eagerly() -> Callable[..., Any]:
+    """One eager function that calls what it is given (built at first use: :func:`eager` imports torch)."""
+    return eager(lambda fn, *args, **kwargs: fn(*args, **kwargs))

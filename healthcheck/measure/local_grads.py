@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager, eager_partial
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: ``WorkerConsistencyMonitor(local_from=...)``: where sketch mode reads the local gradient.
@@ -178,14 +178,14 @@ class LocalGradientPass:
         self._disarm()  # a forward whose backward never came
         if not (torch.is_grad_enabled() and module.require_backward_grad_sync and self._monitor._sampling()):
             return  # no backward, a no_sync micro-step, or a step the monitor does not sample
-        self._armed = [tensor.register_hook(eager(self._start)) for tensor in differentiable_tensors(output)]
+        self._armed = [tensor.register_hook(eager_partial(self._start)) for tensor in differentiable_tensors(output)]
 
     def _start(self, grad: Any) -> None:
         from torch.autograd import Variable
 
         if self._armed:  # the first of the outputs' gradients: the backward has started
             self._disarm()
-            Variable._execution_engine.queue_callback(eager(self._local))
+            Variable._execution_engine.queue_callback(eager_partial(self._local))
 
     def _disarm(self) -> None:
         # A hook left on an output keeps that tensor alive as long as its graph is, through the next step's forward:
@@ -213,7 +213,7 @@ class LocalGradientPass:
             kernel_failed(error)
             self._table = HostTable(k=self._k, seed=self._seed, rank=monitor._rank, world=monitor._world)
             monitor._sketch[0], monitor._sqnorm[0] = self._table.local(grads)
-        Variable._execution_engine.queue_callback(eager(self._mean))  # queued while callbacks run: after DDP's finalize
+        Variable._execution_engine.queue_callback(eager_partial(self._mean))  # queued while callbacks run: after DDP's finalize
 
     def _mean(self) -> None:
         grads = [p.grad for p in self._params]

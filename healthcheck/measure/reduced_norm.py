@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager_partial
 
 
 def rank_slice(numel: int, rank: int, world: int) -> tuple[int, int]:
@@ -50,11 +50,11 @@ def after_ddp_finalize(fn: Callable[[], None]) -> None:
 
     def queue_next() -> None:
         try:
-            engine.queue_callback(eager(fn))
+            engine.queue_callback(eager_partial(fn))
         except RuntimeError:  # pragma: no cover - the engine runs callbacks inside its backward
             fn()
 
-    engine.queue_callback(eager(queue_next))
+    engine.queue_callback(eager_partial(queue_next))
 
 
 class DeferredSquares:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from healthcheck.integrations.script.other_models import OtherModels
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager, eager_partial
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: How deep the output is searched for tensors (a ModelOutput, a tuple of them, a dict of losses).
@@ -66,7 +66,7 @@ class TrainingForwards:
             return
         facts, synced = (None, False) if self._stopped else (self._pending, self._synced())
         # "any": once per backward through this output, whichever of its tensors the loss came from.
-        torch.autograd.graph.register_multi_grad_hook(tensors, eager(lambda _: self._backwarded(facts, synced)), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(tensors, eager_partial(lambda _: self._backwarded(facts, synced)), mode="any")
 
     def _backwarded(self, facts: Optional[dict[str, Any]], synced: bool = False) -> None:
         self.backwards += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from healthcheck.measure.eager import eager
+from healthcheck.measure.eager import eager, eager_partial
 from healthcheck.measure.output_tensors import differentiable_tensors
 
 #: Parameters watched after the first step: a few, in case one of them got no gradient in a step.
@@ -67,7 +67,7 @@ class GradientStart:
             return
         tensors = differentiable_tensors(output, _OUTPUT_DEPTH)
         if tensors:  # "any": once, when the first gradient reaches this output
-            torch.autograd.graph.register_multi_grad_hook(tensors, eager(self._read), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, eager_partial(self._read), mode="any")
 
     def _read(self, _: Any) -> None:
         if not self._armed:  # a second forward's hook of the same step
